@@ -1,0 +1,400 @@
+"""Run configuration: frozen, keyword-only dataclasses, one per section, loaded from YAML.
+
+A `RunConfig` is `model` + `moe` + `parallel` + `train` + `data` + `precision`. Every section validates
+itself at construction and `RunConfig` checks the rules that span sections, so an invalid run never
+starts. Errors are `ValueError`s that name the field path, the value and what is allowed, e.g.
+``moe.top_k (9) must be <= moe.num_experts (8)``. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+SECTIONS = ("model", "moe", "parallel", "train", "data", "precision")
+
+
+def _fail(path: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"{path} ({value!r}) {allowed}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            _fail(f"{section}.{name}", value, "must be > 0")
+
+
+def _non_negative(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            _fail(f"{section}.{name}", value, "must be >= 0")
+
+
+def _choice(section: str, obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        _fail(f"{section}.{name}", value, f"must be one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The dense part of the transformer (attention, embeddings, norms)."""
+
+    vocab_size: int = 50304
+    d_model: int = 1024
+    num_layers: int = 8
+    num_heads: int = 16
+    num_kv_heads: int | None = None  # None: same as num_heads (multi-head attention)
+    head_dim: int | None = None  # None: d_model // num_heads
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = True  # RMSNorm over the full q and k projections (OLMoE)
+    tie_embeddings: bool = False
+    num_dense_layers: int = 0  # the first N blocks use a dense SwiGLU MLP instead of MoE
+    dense_hidden: int | None = None  # hidden size of dense MLPs; None: 4 * d_model
+    init_std: float = 0.02
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+
+    def __post_init__(self) -> None:
+        s = "model"
+        _positive(s, self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "rope_theta", "norm_eps", "dense_hidden", "init_std")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            _fail("model.d_model", self.d_model,
+                  f"must be divisible by model.num_heads ({self.num_heads}) unless head_dim is set")
+        if self.num_heads % self.kv_heads:
+            _fail("model.num_kv_heads", self.num_kv_heads,
+                  f"must divide model.num_heads ({self.num_heads})")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            _fail("model.num_dense_layers", self.num_dense_layers,
+                  f"must be between 0 and model.num_layers ({self.num_layers})")
+        _choice(s, self, "attention_backend", ("auto", "cudnn", "flash", "efficient", "math"))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def dense_hidden_size(self) -> int:
+        return self.dense_hidden or 4 * self.d_model
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """The mixture-of-experts feed-forward: router, balancing and expert shapes."""
+
+    num_experts: int = 64
+    top_k: int = 8
+    expert_hidden: int = 512
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = False  # renormalize the top-k weights to sum to one
+    routing: Literal["learned", "random"] = "learned"  # random: uniform experts, for benchmarks
+    lb_loss_weight: float = 0.01
+    lb_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    z_loss_weight: float = 0.001
+    bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with a per-expert bias
+    num_shared_experts: int = 0  # always-on experts of hidden size expert_hidden each
+    capacity_factor: float | None = None  # None: dropless
+    dispatcher: Literal["auto", "local", "all_to_all", "no_sync"] = "auto"
+
+    def __post_init__(self) -> None:
+        s = "moe"
+        _positive(s, self, "num_experts", "top_k", "expert_hidden", "capacity_factor")
+        _non_negative(s, self, "lb_loss_weight", "z_loss_weight", "bias_update_rate",
+                      "num_shared_experts")
+        if self.top_k > self.num_experts:
+            _fail("moe.top_k", self.top_k, f"must be <= moe.num_experts ({self.num_experts})")
+        _choice(s, self, "score_func", ("softmax", "sigmoid"))
+        _choice(s, self, "routing", ("learned", "random"))
+        _choice(s, self, "lb_scope", ("micro_batch", "global_batch"))
+        _choice(s, self, "dispatcher", ("auto", "local", "all_to_all", "no_sync"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Degrees of parallelism. world = pp x dp; ep divides dp and the number of experts."""
+
+    dp: int | None = None  # None: world_size // pp
+    ep: int = 1
+    pp: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    pp_microbatches: int | None = None  # None: the number of gradient-accumulation steps
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    activation_checkpointing: Literal["none", "moe", "full"] = "none"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        s = "parallel"
+        _positive(s, self, "dp", "ep", "pp", "pp_microbatches")
+        _choice(s, self, "pp_schedule", ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+        _choice(s, self, "data_parallel", ("ddp", "fsdp"))
+        _choice(s, self, "activation_checkpointing", ("none", "moe", "full"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimization and the training loop's cadence."""
+
+    seed: int = 0
+    steps: int = 1000
+    seq_len: int = 2048
+    micro_batch_size: int = 8
+    global_batch_tokens: int | None = None  # None: micro_batch_size * seq_len * dp (no accumulation)
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: fraction of steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    expert_lr_mult: float = 1.0
+    router_lr_mult: float = 1.0
+    optimizer: Literal["adamw", "sharded"] = "adamw"
+    log_every: int = 10
+    eval_every: int = 100  # 0 disables evaluation
+    eval_batches: int = 8
+    checkpoint_every: int = 500  # 0: only at the end
+    keep_checkpoints: int = 2
+    max_bad_steps: int = 5  # consecutive NaN/inf steps before saving and stopping
+
+    def __post_init__(self) -> None:
+        s = "train"
+        _positive(s, self, "steps", "seq_len", "micro_batch_size", "global_batch_tokens", "lr",
+                  "beta2", "eps", "log_every", "eval_batches", "keep_checkpoints", "max_bad_steps")
+        _non_negative(s, self, "seed", "warmup_steps", "weight_decay", "grad_clip",
+                      "eval_every", "checkpoint_every", "expert_lr_mult", "router_lr_mult")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("train.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            _fail("train.decay_fraction", self.decay_fraction, "must be in (0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
+        _choice(s, self, "schedule", ("cosine", "linear", "wsd", "constant"))
+        _choice(s, self, "optimizer", ("adamw", "sharded"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from. path None: the embedded corpus."""
+
+    path: str | None = None  # a directory written by `moetrain prepare`
+    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+    val_fraction: float = 0.05
+    random_tokens: bool = False  # uniform random token ids (benchmarks only)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            _fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """Number formats. param_dtype auto: bf16 parameters with fp32 master weights on GPU, fp32 on CPU."""
+
+    param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    master_weights: bool = True  # keep fp32 master weights and moments when params are bf16
+    experts: Literal["bf16", "fp8_rowwise", "mxfp8"] = "bf16"
+    dispatch: Literal["bf16", "fp8"] = "bf16"
+
+    def __post_init__(self) -> None:
+        s = "precision"
+        _choice(s, self, "param_dtype", ("auto", "fp32", "bf16"))
+        _choice(s, self, "experts", ("bf16", "fp8_rowwise", "mxfp8"))
+        _choice(s, self, "dispatch", ("bf16", "fp8"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A whole run. Cross-section rules are checked here."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+
+    def __post_init__(self) -> None:
+        ep, num_experts = self.parallel.ep, self.moe.num_experts
+        if num_experts % ep:
+            _fail("parallel.ep", ep, f"must divide moe.num_experts ({num_experts})")
+        if self.parallel.dp is not None and self.parallel.dp % ep:
+            _fail("parallel.ep", ep, f"must divide parallel.dp ({self.parallel.dp})")
+        if self.parallel.pp > self.model.num_layers:
+            _fail("parallel.pp", self.parallel.pp,
+                  f"must be <= model.num_layers ({self.model.num_layers})")
+        if self.train.global_batch_tokens is not None:
+            micro = self.train.micro_batch_size * self.train.seq_len * (self.parallel.dp or 1)
+            if self.train.global_batch_tokens % micro:
+                _fail("train.global_batch_tokens", self.train.global_batch_tokens,
+                      f"must be a multiple of micro_batch_size * seq_len * dp ({micro})")
+
+    # ---- derived quantities -------------------------------------------------------------------
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel degree for a world size; a clear error when the layout does not fit."""
+        pp = self.parallel.pp
+        if world_size % pp:
+            _fail("parallel.pp", pp, f"must divide the world size ({world_size})")
+        dp = self.parallel.dp or world_size // pp
+        if dp * pp != world_size:
+            _fail("parallel.dp", dp, f"times parallel.pp ({pp}) must equal the world size "
+                  f"({world_size})")
+        if dp % self.parallel.ep:
+            _fail("parallel.ep", self.parallel.ep, f"must divide the data-parallel degree ({dp})")
+        return dp
+
+    def grad_accum_steps(self, dp: int) -> int:
+        micro = self.train.micro_batch_size * self.train.seq_len * dp
+        if self.train.global_batch_tokens is None:
+            return 1
+        if self.train.global_batch_tokens % micro:
+            _fail("train.global_batch_tokens", self.train.global_batch_tokens,
+                  f"must be a multiple of micro_batch_size * seq_len * dp ({micro})")
+        return self.train.global_batch_tokens // micro
+
+    # ---- serialization --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"config must be a mapping of sections, got {type(data).__name__}")
+        unknown = set(data) - set(SECTIONS) - {"name"}
+        if unknown:
+            raise ValueError(f"unknown config section(s) {sorted(unknown)}; "
+                             f"allowed: name, {', '.join(SECTIONS)}")
+        kwargs: dict[str, Any] = {}
+        if "name" in data:
+            kwargs["name"] = _coerce("name", str, data["name"])
+        for section in SECTIONS:
+            if section in data:
+                kwargs[section] = _build_section(section, data[section])
+        return cls(**kwargs)
+
+    def save_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def load_yaml(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
+        return cls.from_dict(data)
+
+    def with_overrides(self, overrides: list[str] | tuple[str, ...]) -> RunConfig:
+        """Apply `section.field=value` strings; values are parsed as YAML scalars."""
+        data = self.to_dict()
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ValueError(f"override {item!r} must look like section.field=value")
+            parts = key.strip().split(".")
+            if parts == ["name"]:
+                data["name"] = raw
+                continue
+            if len(parts) != 2 or parts[0] not in SECTIONS:
+                raise ValueError(f"override key {key!r} must be section.field with a section in "
+                                 f"{', '.join(SECTIONS)}")
+            section, name = parts
+            if name not in data[section]:
+                raise ValueError(f"unknown field {key!r}; {section} has: "
+                                 f"{', '.join(data[section])}")
+            try:
+                data[section][name] = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError:
+                data[section][name] = raw
+        return RunConfig.from_dict(data)
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "train": TrainConfig,
+    "data": DataConfig, "precision": PrecisionConfig,
+}
+
+
+def _build_section(section: str, values: Any) -> Any:
+    cls = _SECTION_TYPES[section]
+    if isinstance(values, cls):
+        return values
+    if not isinstance(values, dict):
+        raise ValueError(f"{section} must be a mapping of fields, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(f'{section}.{k}' for k in sorted(map(str, unknown)))}"
+                         f"; {section} has: {', '.join(sorted(names))}")
+    kwargs = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _coerce(path: str, hint: Any, value: Any) -> Any:
+    """Check a YAML value against a field's type hint; only int and numeric strings become float."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(path, option, value)
+            except ValueError:
+                pass
+        _fail(path, value, f"must be of type {_type_name(hint)}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            _fail(path, value, f"must be one of {', '.join(map(str, choices))}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(path, value, "must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(path, value, "must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # PyYAML reads `1e-3` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            _fail(path, value, "must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(path, value, "must be a string")
+        return value
+    raise AssertionError(f"unsupported config type {hint} for {path}")
+
+
+def _type_name(hint: Any) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    names = [getattr(a, "__name__", str(a)) for a in args]
+    return " or ".join(names) + (" or null" if len(args) < len(typing.get_args(hint)) else "")

@@ -1,0 +1,93 @@
+"""Named run configurations. Each preset is a function returning a `RunConfig`.
+
+`tiny` runs on a laptop CPU in seconds and is what tests use; `demo` is the default of
+`moetrain train` (a few minutes on a 2-core CPU); the others are the exact architectures of
+shared/BENCHMARKS.md: the OLMoE block (qk-norm, RoPE theta 10,000, untied embeddings, softmax
+router without top-k renormalization, SwiGLU experts, every layer MoE, vocabulary 50,304).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from moetrain.config import (
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+BYTE_VOCAB = 320  # 256 bytes + EOS, padded to a multiple of 64
+
+
+def tiny() -> RunConfig:
+    return RunConfig(
+        name="tiny",
+        model=ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, num_layers=2, num_heads=4),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=128),
+        train=TrainConfig(seq_len=64, micro_batch_size=8, steps=50, lr=3e-3, warmup_steps=5,
+                          log_every=5, eval_every=25, eval_batches=4, checkpoint_every=25),
+    )
+
+
+def demo() -> RunConfig:
+    """The default run: a small byte-level MoE trained on the embedded corpus on CPU."""
+    return RunConfig(
+        name="demo",
+        model=ModelConfig(vocab_size=BYTE_VOCAB, d_model=128, num_layers=4, num_heads=4),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256),
+        train=TrainConfig(seq_len=128, micro_batch_size=16, steps=300, lr=3e-3,
+                          warmup_steps=20, log_every=10, eval_every=100, eval_batches=8,
+                          checkpoint_every=100),
+        data=DataConfig(),
+    )
+
+
+def _olmoe(name: str, *, d_model: int, num_layers: int, num_experts: int, top_k: int,
+           expert_hidden: int, seq_len: int, micro_batch_size: int) -> RunConfig:
+    return RunConfig(
+        name=name,
+        model=ModelConfig(vocab_size=50304, d_model=d_model, num_layers=num_layers, num_heads=16),
+        moe=MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=expert_hidden),
+        train=TrainConfig(seq_len=seq_len, micro_batch_size=micro_batch_size),
+    )
+
+
+def small() -> RunConfig:
+    return _olmoe("small", d_model=1024, num_layers=8, num_experts=64, top_k=8,
+                  expert_hidden=512, seq_len=2048, micro_batch_size=8)
+
+
+def olmoe8() -> RunConfig:
+    return _olmoe("olmoe8", d_model=2048, num_layers=8, num_experts=64, top_k=8,
+                  expert_hidden=1024, seq_len=4096, micro_batch_size=4)
+
+
+def olmoe_1b_7b() -> RunConfig:
+    return _olmoe("olmoe-1b-7b", d_model=2048, num_layers=16, num_experts=64, top_k=8,
+                  expert_hidden=1024, seq_len=4096, micro_batch_size=4)
+
+
+def _scale(num_experts: int) -> Callable[[], RunConfig]:
+    def preset() -> RunConfig:
+        return _olmoe(f"scale-E{num_experts}", d_model=1024, num_layers=12,
+                      num_experts=num_experts, top_k=4, expert_hidden=1024, seq_len=4096,
+                      micro_batch_size=8)
+    return preset
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "tiny": tiny,
+    "demo": demo,
+    "small": small,
+    "olmoe8": olmoe8,
+    "olmoe-1b-7b": olmoe_1b_7b,
+    **{f"scale-E{e}": _scale(e) for e in (8, 16, 32, 64, 128)},
+}
+
+
+def get_preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    return PRESETS[name]()
