@@ -1,8 +1,8 @@
 """Run configuration: frozen, keyword-only dataclasses, one per section, loaded from YAML.
 
-A `RunConfig` is `model` + `moe` + `parallel` + `train` + `data` + `precision`. Every section validates
-itself at construction and `RunConfig` checks the rules that span sections, so an invalid run never
-starts. Errors are `ValueError`s that name the field path, the value and what is allowed, e.g.
+A `RunConfig` is `model` + `moe` + `parallel` + `train` + `data` + `precision`. Every section
+validates itself at construction and `RunConfig` checks the rules that span sections, so an
+invalid run never starts. Errors are `ValueError`s that name the field path, the value and what is allowed, e.g.
 ``moe.top_k (9) must be <= moe.num_experts (8)``. This module does not import torch.
 """
 
@@ -65,17 +65,38 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         s = "model"
-        _positive(s, self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "rope_theta", "norm_eps", "dense_hidden", "init_std")
+        _positive(
+            s,
+            self,
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "rope_theta",
+            "norm_eps",
+            "dense_hidden",
+            "init_std",
+        )
         if self.head_dim is None and self.d_model % self.num_heads:
-            _fail("model.d_model", self.d_model,
-                  f"must be divisible by model.num_heads ({self.num_heads}) unless head_dim is set")
+            _fail(
+                "model.d_model",
+                self.d_model,
+                f"must be divisible by model.num_heads ({self.num_heads}) unless head_dim is set",
+            )
         if self.num_heads % self.kv_heads:
-            _fail("model.num_kv_heads", self.num_kv_heads,
-                  f"must divide model.num_heads ({self.num_heads})")
+            _fail(
+                "model.num_kv_heads",
+                self.num_kv_heads,
+                f"must divide model.num_heads ({self.num_heads})",
+            )
         if not 0 <= self.num_dense_layers <= self.num_layers:
-            _fail("model.num_dense_layers", self.num_dense_layers,
-                  f"must be between 0 and model.num_layers ({self.num_layers})")
+            _fail(
+                "model.num_dense_layers",
+                self.num_dense_layers,
+                f"must be between 0 and model.num_layers ({self.num_layers})",
+            )
         _choice(s, self, "attention_backend", ("auto", "cudnn", "flash", "efficient", "math"))
 
     @property
@@ -112,8 +133,9 @@ class MoEConfig:
     def __post_init__(self) -> None:
         s = "moe"
         _positive(s, self, "num_experts", "top_k", "expert_hidden", "capacity_factor")
-        _non_negative(s, self, "lb_loss_weight", "z_loss_weight", "bias_update_rate",
-                      "num_shared_experts")
+        _non_negative(
+            s, self, "lb_loss_weight", "z_loss_weight", "bias_update_rate", "num_shared_experts"
+        )
         if self.top_k > self.num_experts:
             _fail("moe.top_k", self.top_k, f"must be <= moe.num_experts ({self.num_experts})")
         _choice(s, self, "score_func", ("softmax", "sigmoid"))
@@ -151,7 +173,8 @@ class TrainConfig:
     steps: int = 1000
     seq_len: int = 2048
     micro_batch_size: int = 8
-    global_batch_tokens: int | None = None  # None: micro_batch_size * seq_len * dp (no accumulation)
+    # None: micro_batch_size * seq_len * dp, i.e. no gradient accumulation
+    global_batch_tokens: int | None = None
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
@@ -174,10 +197,33 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         s = "train"
-        _positive(s, self, "steps", "seq_len", "micro_batch_size", "global_batch_tokens", "lr",
-                  "beta2", "eps", "log_every", "eval_batches", "keep_checkpoints", "max_bad_steps")
-        _non_negative(s, self, "seed", "warmup_steps", "weight_decay", "grad_clip",
-                      "eval_every", "checkpoint_every", "expert_lr_mult", "router_lr_mult")
+        _positive(
+            s,
+            self,
+            "steps",
+            "seq_len",
+            "micro_batch_size",
+            "global_batch_tokens",
+            "lr",
+            "beta2",
+            "eps",
+            "log_every",
+            "eval_batches",
+            "keep_checkpoints",
+            "max_bad_steps",
+        )
+        _non_negative(
+            s,
+            self,
+            "seed",
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip",
+            "eval_every",
+            "checkpoint_every",
+            "expert_lr_mult",
+            "router_lr_mult",
+        )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _fail("train.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
         if not 0.0 < self.decay_fraction <= 1.0:
@@ -205,7 +251,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
-    """Number formats. param_dtype auto: bf16 parameters with fp32 master weights on GPU, fp32 on CPU."""
+    """Number formats. param_dtype auto: bf16 params + fp32 master weights on GPU, fp32 on CPU."""
 
     param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     master_weights: bool = True  # keep fp32 master weights and moments when params are bf16
@@ -238,13 +284,19 @@ class RunConfig:
         if self.parallel.dp is not None and self.parallel.dp % ep:
             _fail("parallel.ep", ep, f"must divide parallel.dp ({self.parallel.dp})")
         if self.parallel.pp > self.model.num_layers:
-            _fail("parallel.pp", self.parallel.pp,
-                  f"must be <= model.num_layers ({self.model.num_layers})")
+            _fail(
+                "parallel.pp",
+                self.parallel.pp,
+                f"must be <= model.num_layers ({self.model.num_layers})",
+            )
         if self.train.global_batch_tokens is not None:
             micro = self.train.micro_batch_size * self.train.seq_len * (self.parallel.dp or 1)
             if self.train.global_batch_tokens % micro:
-                _fail("train.global_batch_tokens", self.train.global_batch_tokens,
-                      f"must be a multiple of micro_batch_size * seq_len * dp ({micro})")
+                _fail(
+                    "train.global_batch_tokens",
+                    self.train.global_batch_tokens,
+                    f"must be a multiple of micro_batch_size * seq_len * dp ({micro})",
+                )
 
     # ---- derived quantities -------------------------------------------------------------------
     def dp_size(self, world_size: int) -> int:
@@ -254,8 +306,11 @@ class RunConfig:
             _fail("parallel.pp", pp, f"must divide the world size ({world_size})")
         dp = self.parallel.dp or world_size // pp
         if dp * pp != world_size:
-            _fail("parallel.dp", dp, f"times parallel.pp ({pp}) must equal the world size "
-                  f"({world_size})")
+            _fail(
+                "parallel.dp",
+                dp,
+                f"times parallel.pp ({pp}) must equal the world size ({world_size})",
+            )
         if dp % self.parallel.ep:
             _fail("parallel.ep", self.parallel.ep, f"must divide the data-parallel degree ({dp})")
         return dp
@@ -265,8 +320,11 @@ class RunConfig:
         if self.train.global_batch_tokens is None:
             return 1
         if self.train.global_batch_tokens % micro:
-            _fail("train.global_batch_tokens", self.train.global_batch_tokens,
-                  f"must be a multiple of micro_batch_size * seq_len * dp ({micro})")
+            _fail(
+                "train.global_batch_tokens",
+                self.train.global_batch_tokens,
+                f"must be a multiple of micro_batch_size * seq_len * dp ({micro})",
+            )
         return self.train.global_batch_tokens // micro
 
     # ---- serialization --------------------------------------------------------------------------
@@ -279,8 +337,9 @@ class RunConfig:
             raise ValueError(f"config must be a mapping of sections, got {type(data).__name__}")
         unknown = set(data) - set(SECTIONS) - {"name"}
         if unknown:
-            raise ValueError(f"unknown config section(s) {sorted(unknown)}; "
-                             f"allowed: name, {', '.join(SECTIONS)}")
+            raise ValueError(
+                f"unknown config section(s) {sorted(unknown)}; allowed: name, {', '.join(SECTIONS)}"
+            )
         kwargs: dict[str, Any] = {}
         if "name" in data:
             kwargs["name"] = _coerce("name", str, data["name"])
@@ -315,12 +374,15 @@ class RunConfig:
                 data["name"] = raw
                 continue
             if len(parts) != 2 or parts[0] not in SECTIONS:
-                raise ValueError(f"override key {key!r} must be section.field with a section in "
-                                 f"{', '.join(SECTIONS)}")
+                raise ValueError(
+                    f"override key {key!r} must be section.field with a section in "
+                    f"{', '.join(SECTIONS)}"
+                )
             section, name = parts
             if name not in data[section]:
-                raise ValueError(f"unknown field {key!r}; {section} has: "
-                                 f"{', '.join(data[section])}")
+                raise ValueError(
+                    f"unknown field {key!r}; {section} has: {', '.join(data[section])}"
+                )
             try:
                 data[section][name] = yaml.safe_load(raw) if raw.strip() else None
             except yaml.YAMLError:
@@ -329,8 +391,12 @@ class RunConfig:
 
 
 _SECTION_TYPES = {
-    "model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "train": TrainConfig,
-    "data": DataConfig, "precision": PrecisionConfig,
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "precision": PrecisionConfig,
 }
 
 
@@ -344,8 +410,8 @@ def _build_section(section: str, values: Any) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - names
     if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(f'{section}.{k}' for k in sorted(map(str, unknown)))}"
-                         f"; {section} has: {', '.join(sorted(names))}")
+        listed = ", ".join(f"{section}.{k}" for k in sorted(map(str, unknown)))
+        raise ValueError(f"unknown field(s) {listed}; {section} has: {', '.join(sorted(names))}")
     kwargs = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
     return cls(**kwargs)
 

@@ -26,8 +26,17 @@ def tiny() -> RunConfig:
         name="tiny",
         model=ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, num_layers=2, num_heads=4),
         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=128),
-        train=TrainConfig(seq_len=64, micro_batch_size=8, steps=50, lr=3e-3, warmup_steps=5,
-                          log_every=5, eval_every=25, eval_batches=4, checkpoint_every=25),
+        train=TrainConfig(
+            seq_len=64,
+            micro_batch_size=8,
+            steps=50,
+            lr=3e-3,
+            warmup_steps=5,
+            log_every=5,
+            eval_every=25,
+            eval_batches=4,
+            checkpoint_every=25,
+        ),
     )
 
 
@@ -37,15 +46,32 @@ def demo() -> RunConfig:
         name="demo",
         model=ModelConfig(vocab_size=BYTE_VOCAB, d_model=128, num_layers=4, num_heads=4),
         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256),
-        train=TrainConfig(seq_len=128, micro_batch_size=16, steps=300, lr=3e-3,
-                          warmup_steps=20, log_every=10, eval_every=100, eval_batches=8,
-                          checkpoint_every=100),
+        train=TrainConfig(
+            seq_len=128,
+            micro_batch_size=16,
+            steps=300,
+            lr=3e-3,
+            warmup_steps=20,
+            log_every=10,
+            eval_every=100,
+            eval_batches=8,
+            checkpoint_every=100,
+        ),
         data=DataConfig(),
     )
 
 
-def _olmoe(name: str, *, d_model: int, num_layers: int, num_experts: int, top_k: int,
-           expert_hidden: int, seq_len: int, micro_batch_size: int) -> RunConfig:
+def _olmoe(
+    name: str,
+    *,
+    d_model: int,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    expert_hidden: int,
+    seq_len: int,
+    micro_batch_size: int,
+) -> RunConfig:
     return RunConfig(
         name=name,
         model=ModelConfig(vocab_size=50304, d_model=d_model, num_layers=num_layers, num_heads=16),
@@ -55,25 +81,57 @@ def _olmoe(name: str, *, d_model: int, num_layers: int, num_experts: int, top_k:
 
 
 def small() -> RunConfig:
-    return _olmoe("small", d_model=1024, num_layers=8, num_experts=64, top_k=8,
-                  expert_hidden=512, seq_len=2048, micro_batch_size=8)
+    return _olmoe(
+        "small",
+        d_model=1024,
+        num_layers=8,
+        num_experts=64,
+        top_k=8,
+        expert_hidden=512,
+        seq_len=2048,
+        micro_batch_size=8,
+    )
 
 
 def olmoe8() -> RunConfig:
-    return _olmoe("olmoe8", d_model=2048, num_layers=8, num_experts=64, top_k=8,
-                  expert_hidden=1024, seq_len=4096, micro_batch_size=4)
+    return _olmoe(
+        "olmoe8",
+        d_model=2048,
+        num_layers=8,
+        num_experts=64,
+        top_k=8,
+        expert_hidden=1024,
+        seq_len=4096,
+        micro_batch_size=4,
+    )
 
 
 def olmoe_1b_7b() -> RunConfig:
-    return _olmoe("olmoe-1b-7b", d_model=2048, num_layers=16, num_experts=64, top_k=8,
-                  expert_hidden=1024, seq_len=4096, micro_batch_size=4)
+    return _olmoe(
+        "olmoe-1b-7b",
+        d_model=2048,
+        num_layers=16,
+        num_experts=64,
+        top_k=8,
+        expert_hidden=1024,
+        seq_len=4096,
+        micro_batch_size=4,
+    )
 
 
 def _scale(num_experts: int) -> Callable[[], RunConfig]:
     def preset() -> RunConfig:
-        return _olmoe(f"scale-E{num_experts}", d_model=1024, num_layers=12,
-                      num_experts=num_experts, top_k=4, expert_hidden=1024, seq_len=4096,
-                      micro_batch_size=8)
+        return _olmoe(
+            f"scale-E{num_experts}",
+            d_model=1024,
+            num_layers=12,
+            num_experts=num_experts,
+            top_k=4,
+            expert_hidden=1024,
+            seq_len=4096,
+            micro_batch_size=8,
+        )
+
     return preset
 
 
