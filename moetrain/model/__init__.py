@@ -1,0 +1,1 @@
+"""The language model: single-device math, built on meta, materialized, then initialized."""

@@ -1,0 +1,158 @@
+"""The MoE transformer: embedding -> blocks -> final norm -> LM head (+ chunked cross-entropy).
+
+Letters: B batch, S sequence, D d_model, V vocabulary.
+Each block is pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)), where ffn is a MoE layer
+(or a dense SwiGLU for the first `num_dense_layers` blocks). Blocks live in a ModuleDict keyed by
+their global index, so a pipeline stage that keeps a subset of them keeps their global names;
+`embed`, `norm` and `lm_head` may be None in stages that do not own them.
+
+Build on the meta device, parallelize, materialize with `to_empty`, then `init_weights(seed)`.
+Initialization is a pure function of (seed, parameter name, global expert index), so the same seed
+gives the same global weights under any parallel layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from moetrain.config import RunConfig
+from moetrain.moe.layer import MoELayer
+from moetrain.nn.attention import Attention
+from moetrain.nn.loss import chunked_linear_cross_entropy
+from moetrain.nn.mlp import SwiGLU
+from moetrain.nn.norm import RMSNorm
+from moetrain.nn.rope import RotaryEmbedding
+
+
+class Block(nn.Module):
+    def __init__(self, config: RunConfig, layer_idx: int) -> None:
+        super().__init__()
+        m = config.model
+        self.attn_norm = RMSNorm(m.d_model, m.norm_eps)
+        self.attn = Attention(
+            m.d_model,
+            m.num_heads,
+            m.kv_heads,
+            m.dim_per_head,
+            qk_norm=m.qk_norm,
+            norm_eps=m.norm_eps,
+            rope_theta=m.rope_theta,
+            backend=m.attention_backend,
+        )
+        self.ffn_norm = RMSNorm(m.d_model, m.norm_eps)
+        self.ffn: MoELayer | SwiGLU
+        if layer_idx < m.num_dense_layers:
+            self.ffn = SwiGLU(m.d_model, m.dense_hidden_size)
+        else:
+            self.ffn = MoELayer(config.moe, m.d_model, seed=config.train.seed * 1000 + layer_idx)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        return h_BSD + self.ffn(self.ffn_norm(h_BSD))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+        m = config.model
+        self.embed: nn.Embedding | None = nn.Embedding(m.vocab_size, m.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(m.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(m.d_model, m.norm_eps)
+        self.lm_head: nn.Linear | None = (
+            None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
+        )
+
+    def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, S) -> final hidden states (B, S, D), normalized if this module owns the
+        final norm. A pipeline stage without the embedding takes hidden states instead."""
+        h_BSD = self.embed(tokens_or_hidden) if self.embed is not None else tokens_or_hidden
+        for block in self.blocks.values():
+            h_BSD = block(h_BSD)
+        return self.norm(h_BSD) if self.norm is not None else h_BSD
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.lm_head is not None else self.embed.weight
+
+    def loss(self, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) of final hidden states, without full logits."""
+        D = h_BSD.shape[-1]
+        return chunked_linear_cross_entropy(
+            h_BSD.reshape(-1, D), self.head_weight(), targets_BS.reshape(-1)
+        )
+
+    def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return h_BSD @ self.head_weight().T
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.ffn for b in self.blocks.values() if isinstance(b.ffn, MoELayer)]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialize every weight; with std = model.init_std and L = model.num_layers:
+
+        - embed.weight: normal(0, std)
+        - q/k/v projections, dense and shared-expert gate_up, expert w_up, router gate:
+          normal(0, std) truncated at +-3 std
+        - attention o_proj, dense w_down, expert w_down: normal(0, std / sqrt(2 L)), truncated at
+          +-3 of that std (residual branches shrink with depth)
+        - lm_head.weight (untied): normal(0, d_model^-0.5) truncated at +-3 of that std
+        - every RMSNorm weight: 1; the router's balancing bias and statistics buffers: 0
+
+        Each tensor (each expert of a grouped tensor) draws from its own generator seeded with
+        (seed, its global name, its global expert index).
+        """
+        seed = self.config.train.seed if seed is None else seed
+        m = self.config.model
+        std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
+        for module in self.modules():
+            if isinstance(module, RMSNorm | RotaryEmbedding):
+                module.init_weights()
+            elif isinstance(module, MoELayer):
+                module.reset_buffers()
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            if name == "embed.weight":
+                _normal(param, std, seed, name, truncate=False)
+            elif name == "lm_head.weight":
+                _normal(param, m.d_model**-0.5, seed, name)
+            elif name.endswith(("o_proj.weight", "w_down.weight")):
+                _normal(param, out_std, seed, name)
+            elif name.endswith("w_down_eFD") or name.endswith("w_up_eD2F"):
+                expert_std = out_std if name.endswith("w_down_eFD") else std
+                offset = getattr(_owner(self, name), "expert_offset", 0)
+                for i in range(param.shape[0]):
+                    _normal(param[i], expert_std, seed, f"{name}[{offset + i}]")
+            else:
+                _normal(param, std, seed, name)
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+def _normal(t: torch.Tensor, std: float, seed: int, name: str, truncate: bool = True) -> None:
+    generator = torch.Generator(device=t.device)
+    generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if truncate:
+        nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=generator)
+    else:
+        nn.init.normal_(t, std=std, generator=generator)
+
+
+def build_model(
+    config: RunConfig, device: torch.device | str = "cpu", init: bool = True
+) -> Transformer:
+    """Build on meta, materialize on `device`, initialize. Parallel code builds on meta itself and
+    calls `to_empty` + `init_weights` after sharding."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device=device)
+    if init:
+        model.init_weights()
+    return model

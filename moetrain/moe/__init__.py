@@ -1,0 +1,1 @@
+"""Single-device mixture of experts: router -> dispatcher -> grouped experts -> combine."""

@@ -1,0 +1,56 @@
+"""Grouped SwiGLU experts: every local expert's weights in 3-D tensors, one GEMM per projection.
+
+Letters: N rows (grouped by expert), D model dim, F expert hidden, e local experts.
+    h_N2F = rows_ND @ w_up_eD2F[expert of row]      (gate and up fused: [gate | up])
+    y_ND  = (silu(gate) * up)_NF @ w_down_eFD[expert of row]
+Both products are one `torch._grouped_mm` each, driven by device-side offsets. The GEMM is a
+swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); `grouped_mm_reference` is the
+obvious loop over experts that tests compare against. Weights are indexed by global expert id
+minus `expert_offset`, so expert parallelism only changes which slice of experts a rank holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def grouped_mm_reference(
+    x_ND: torch.Tensor, w_eDF: torch.Tensor, offsets_e: torch.Tensor
+) -> torch.Tensor:
+    """Loop over experts. Reads the offsets on the host: for tests and CPU fallbacks only."""
+    out_NF = x_ND.new_zeros(x_ND.shape[0], w_eDF.shape[-1])
+    start = 0
+    for expert, end in enumerate(offsets_e.tolist()):
+        if end > start:
+            out_NF[start:end] = x_ND[start:end] @ w_eDF[expert]
+        start = end
+    return out_NF
+
+
+def grouped_mm(x_ND: torch.Tensor, w_eDF: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` where it supports the dtype, else the reference loop (float64 tests)."""
+    if x_ND.dtype in _GROUPED_MM_DTYPES:
+        return torch._grouped_mm(x_ND, w_eDF, offs=offsets_e)
+    return grouped_mm_reference(x_ND, w_eDF, offsets_e)
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, d_model: int, hidden: int, gemm: GroupedMM = grouped_mm):
+        super().__init__()
+        self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
+        self.expert_offset = 0  # global id of local expert 0 (expert parallelism changes it)
+        self.w_up_eD2F = nn.Parameter(torch.empty(num_experts, d_model, 2 * hidden))
+        self.w_down_eFD = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.gemm = gemm
+
+    def forward(self, rows_ND: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
+        h_N2F = self.gemm(rows_ND, self.w_up_eD2F, offsets_e)
+        gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
+        return self.gemm(F.silu(gate_NF) * up_NF, self.w_down_eFD, offsets_e)

@@ -1,0 +1,132 @@
+"""The MoE feed-forward layer: router -> dispatcher -> grouped experts -> combine.
+
+Letters: B batch, S sequence, T = B*S tokens, D model dim, E experts.
+Auxiliary losses reach the router through `AddAuxLossGrad`: the layer output carries them, so
+`loss.backward()` on the language-model loss alone also backpropagates the weighted load-balancing
+and z-losses, in any stage of a pipeline and under activation checkpointing. `aux_grad_scale` is
+the factor the trainer applies to its own loss (1 / gradient-accumulation steps).
+Routing statistics (routes per expert, loss values) accumulate in device buffers and are read only
+when the trainer logs; nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetrain.config import MoEConfig
+from moetrain.moe.balance import update_expert_bias
+from moetrain.moe.dispatch import Dispatcher, LocalDispatcher
+from moetrain.moe.experts import GroupedExperts
+from moetrain.moe.router import RoutingResult, TopKRouter
+from moetrain.nn.mlp import SwiGLU
+
+
+class AddAuxLossGrad(torch.autograd.Function):
+    """Identity on `y`; in backward, gives `aux_loss` the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, y, aux_loss, scale: float):  # type: ignore[override]
+        ctx.scale = scale
+        ctx.aux_dtype = aux_loss.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):  # type: ignore[override]
+        grad_aux = torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad_y.device)
+        return grad_y, grad_aux, None
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: MoEConfig, d_model: int, *, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.router = TopKRouter(
+            d_model,
+            config.num_experts,
+            config.top_k,
+            score_func=config.score_func,
+            renormalize=config.renormalize,
+            routing=config.routing,
+            use_bias=config.bias_update_rate > 0,
+            seed=seed,
+        )
+        self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden)
+        self.shared_expert = (
+            SwiGLU(d_model, config.expert_hidden * config.num_shared_experts)
+            if config.num_shared_experts
+            else None
+        )
+        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.aux_grad_scale = 1.0
+        E = config.num_experts
+        # Statistics since the last read (log cadence) and since the last optimizer step.
+        self.register_buffer(
+            "stat_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False
+        )
+        self.register_buffer("stat_losses", torch.zeros(3), persistent=False)  # lb, z, count
+        self.register_buffer(
+            "step_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False
+        )
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        routing = self.router(x_TD)
+        rows_ND, offsets_e, handle = self.dispatcher.dispatch(x_TD, routing)
+        y_ND = self.experts(rows_ND, offsets_e)
+        y_TD = self.dispatcher.combine(y_ND, handle)
+        if self.shared_expert is not None:
+            y_TD = y_TD + self.shared_expert(x_TD)
+        if self.training:
+            self._record(routing)
+            aux_loss = (
+                self.config.lb_loss_weight * routing.lb_loss
+                + self.config.z_loss_weight * routing.z_loss
+            )
+            if aux_loss.requires_grad:
+                y_TD = AddAuxLossGrad.apply(y_TD, aux_loss, self.aux_grad_scale)
+        return y_TD.view(B, S, D)
+
+    @torch.no_grad()
+    def _record(self, routing: RoutingResult) -> None:
+        self.stat_tokens_per_expert_E += routing.tokens_per_expert_E
+        self.step_tokens_per_expert_E += routing.tokens_per_expert_E
+        self.stat_losses += torch.stack(
+            [
+                routing.lb_loss.detach(),
+                routing.z_loss.detach(),
+                torch.ones((), device=routing.lb_loss.device),
+            ]
+        )
+
+    @torch.no_grad()
+    def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
+        """Device tensors: routes per expert and mean unweighted lb/z losses since the last read."""
+        count = self.stat_losses[2].clamp_min(1)
+        stats = {
+            "tokens_per_expert": self.stat_tokens_per_expert_E.clone(),
+            "lb_loss": self.stat_losses[0] / count,
+            "z_loss": self.stat_losses[1] / count,
+        }
+        if reset:
+            self.stat_tokens_per_expert_E.zero_()
+            self.stat_losses.zero_()
+        return stats
+
+    @torch.no_grad()
+    def end_of_step(self) -> None:
+        """Called after each optimizer step: the aux-loss-free bias update, then reset counts."""
+        if self.router.expert_bias_E is not None:
+            update_expert_bias(
+                self.router.expert_bias_E,
+                self.step_tokens_per_expert_E,
+                self.config.bias_update_rate,
+            )
+        self.step_tokens_per_expert_E.zero_()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        self.router.reset_buffers()
+        for buf in (self.stat_tokens_per_expert_E, self.stat_losses, self.step_tokens_per_expert_E):
+            buf.zero_()

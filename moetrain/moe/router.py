@@ -1,0 +1,96 @@
+"""Top-k router: x_TD -> RoutingResult. No host syncs and no communication.
+
+Letters: T tokens, D model dim, E experts, K top-k.
+Scores are softmax (OLMoE) or sigmoid over all experts, in fp32. Experts are selected by top-k of
+the scores plus an optional per-expert bias (auxiliary-loss-free balancing); the bias only moves
+the selection, never the weights. Weights are the selected scores, optionally renormalized to sum
+to one. Random mode draws K distinct experts per token uniformly from a seeded device generator,
+for system benchmarks that must not depend on what the router has learned; its weights are still
+the router's scores at the drawn experts, so compute and gradients keep their usual shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moetrain.moe import balance
+
+
+@dataclass
+class RoutingResult:
+    expert_ids_TK: torch.Tensor  # int64
+    weights_TK: torch.Tensor  # float32
+    tokens_per_expert_E: torch.Tensor  # int64, on device
+    probs_TE: torch.Tensor  # normalized scores, float32 (for the balance loss and statistics)
+    lb_loss: torch.Tensor  # unweighted, scalar
+    z_loss: torch.Tensor  # unweighted, scalar
+
+
+class TopKRouter(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        renormalize: bool = False,
+        routing: str = "learned",
+        use_bias: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.renormalize, self.routing = score_func, renormalize, routing
+        self.seed = seed
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        # Aux-loss-free balancing bias: a buffer (not trained by the optimizer, but checkpointed).
+        self.register_buffer(
+            "expert_bias_E", torch.zeros(num_experts) if use_bias else None, persistent=use_bias
+        )
+        self._generator: torch.Generator | None = None
+
+    def forward(self, x_TD: torch.Tensor) -> RoutingResult:
+        logits_TE = self.gate(x_TD).float()
+        if self.score_func == "softmax":
+            scores_TE = logits_TE.softmax(dim=-1)
+            probs_TE = scores_TE
+        else:
+            scores_TE = logits_TE.sigmoid()
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
+        if self.routing == "random":
+            noise_TE = torch.rand(logits_TE.shape, device=x_TD.device, generator=self._rng(x_TD))
+            expert_ids_TK = noise_TE.topk(self.top_k, dim=-1).indices
+        else:
+            selection_TE = scores_TE.detach()
+            if self.expert_bias_E is not None:
+                selection_TE = selection_TE + self.expert_bias_E
+            expert_ids_TK = selection_TE.topk(self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, expert_ids_TK)
+        if self.renormalize:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+
+        tokens_per_expert_E = balance.count_tokens_per_expert(expert_ids_TK, self.num_experts)
+        return RoutingResult(
+            expert_ids_TK=expert_ids_TK,
+            weights_TK=weights_TK,
+            tokens_per_expert_E=tokens_per_expert_E,
+            probs_TE=probs_TE,
+            lb_loss=balance.load_balancing_loss(probs_TE, tokens_per_expert_E, self.top_k),
+            z_loss=balance.router_z_loss(logits_TE),
+        )
+
+    def _rng(self, x: torch.Tensor) -> torch.Generator:
+        if self._generator is None or self._generator.device != x.device:
+            self._generator = torch.Generator(device=x.device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+    def reset_buffers(self) -> None:
+        if self.expert_bias_E is not None:
+            self.expert_bias_E.zero_()
+        self._generator = None

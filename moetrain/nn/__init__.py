@@ -1,0 +1,1 @@
+"""Single-device building blocks of the transformer. Nothing here imports torch.distributed."""
