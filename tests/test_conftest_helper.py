@@ -1,6 +1,5 @@
 import torch
 import torch.distributed as dist
-
 from conftest import run_distributed
 
 

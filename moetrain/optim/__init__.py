@@ -1,0 +1,1 @@
+"""Optimizers, parameter groups, LR schedules and gradient clipping."""
