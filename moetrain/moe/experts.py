@@ -35,8 +35,10 @@ def grouped_mm_reference(
 
 
 def grouped_mm(x_ND: torch.Tensor, w_eDF: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` where it supports the dtype, else the reference loop (float64 tests)."""
-    if x_ND.dtype in _GROUPED_MM_DTYPES:
+    """`torch._grouped_mm` where it supports the dtype and strides (rows of 16-byte multiples),
+    else the reference loop (float64 tests, odd toy shapes)."""
+    aligned = all(n * x_ND.element_size() % 16 == 0 for n in w_eDF.shape[1:])
+    if x_ND.dtype in _GROUPED_MM_DTYPES and aligned:
         return torch._grouped_mm(x_ND, w_eDF, offs=offsets_e)
     return grouped_mm_reference(x_ND, w_eDF, offsets_e)
 

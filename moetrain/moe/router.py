@@ -54,7 +54,8 @@ class TopKRouter(nn.Module):
         self._generator: torch.Generator | None = None
 
     def forward(self, x_TD: torch.Tensor) -> RoutingResult:
-        logits_TE = self.gate(x_TD).float()
+        # fp32 scores for bf16 models; float64 stays float64 (reference tests)
+        logits_TE = self.gate(x_TD).to(torch.promote_types(x_TD.dtype, torch.float32))
         if self.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
             probs_TE = scores_TE

@@ -1,0 +1,77 @@
+import torch
+import torch.nn.functional as F
+
+from moetrain.nn.attention import Attention
+from moetrain.nn.loss import chunked_linear_cross_entropy
+from moetrain.nn.norm import RMSNorm
+from moetrain.nn.rope import RotaryEmbedding, apply_rope
+
+
+def test_rmsnorm_formula():
+    x = torch.randn(4, 10)
+    n = RMSNorm(10, eps=1e-5)
+    n.weight.data.normal_()
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * n.weight
+    torch.testing.assert_close(n(x), expected)
+
+
+def test_rope_rotates_pairs_and_preserves_norm():
+    rope = RotaryEmbedding(8, theta=10_000.0)
+    cos, sin = rope.cos_sin(5, torch.float64)
+    x = torch.randn(1, 1, 5, 8, dtype=torch.float64)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[..., 0, :], x[..., 0, :])  # position 0 is not rotated
+    p, i = 3, 1
+    angle = p * 10_000.0 ** (-2 * i / 8)
+    a, b = x[0, 0, p, i], x[0, 0, p, i + 4]
+    expected = torch.stack(
+        [
+            a * torch.cos(torch.tensor(angle)) - b * torch.sin(torch.tensor(angle)),
+            b * torch.cos(torch.tensor(angle)) + a * torch.sin(torch.tensor(angle)),
+        ]
+    )
+    torch.testing.assert_close(
+        torch.stack([y[0, 0, p, i], y[0, 0, p, i + 4]]), expected.to(torch.float64)
+    )
+
+
+def _manual_attention(attn: Attention, x):
+    B, S, _ = x.shape
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = q.view(B, S, attn.num_heads, attn.head_dim).transpose(1, 2)
+    k = k.view(B, S, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    v = v.view(B, S, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    cos, sin = attn.rope.cos_sin(S, x.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rep = attn.num_heads // attn.num_kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-1, -2) / attn.head_dim**0.5
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
+    out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+    return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def test_attention_gqa_and_qk_norm_against_manual():
+    torch.manual_seed(0)
+    for kv_heads, qk_norm in [(4, True), (2, False), (1, True)]:
+        attn = Attention(32, 4, kv_heads, 8, qk_norm=qk_norm).double()
+        x = torch.randn(2, 7, 32, dtype=torch.float64)
+        torch.testing.assert_close(attn(x), _manual_attention(attn, x))
+
+
+def test_chunked_cross_entropy_matches_full_logits():
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (37,))
+    loss = chunked_linear_cross_entropy(h, w, t, chunk_size=8)
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy(h2 @ w2.T, t)
+    torch.testing.assert_close(loss, ref)
+    (2.5 * loss).backward()
+    (2.5 * ref).backward()
+    torch.testing.assert_close(h.grad, h2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)

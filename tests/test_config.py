@@ -1,0 +1,85 @@
+import pytest
+
+from moetrain.config import RunConfig
+from moetrain.presets import PRESETS, get_preset, tiny
+
+BAD_VALUES = [
+    ("model.vocab_size=0", "model.vocab_size"),
+    ("model.d_model=-4", "model.d_model"),
+    ("model.num_layers=0", "model.num_layers"),
+    ("model.num_heads=3", "model.d_model"),
+    ("model.num_kv_heads=3", "model.num_kv_heads"),
+    ("model.num_dense_layers=5", "model.num_dense_layers"),
+    ("model.norm_eps=0", "model.norm_eps"),
+    ("model.attention_backend=fast", "model.attention_backend"),
+    ("model.qk_norm=maybe", "model.qk_norm"),
+    ("moe.top_k=9", "moe.top_k"),
+    ("moe.num_experts=0", "moe.num_experts"),
+    ("moe.expert_hidden=abc", "moe.expert_hidden"),
+    ("moe.score_func=relu", "moe.score_func"),
+    ("moe.routing=greedy", "moe.routing"),
+    ("moe.capacity_factor=-1", "moe.capacity_factor"),
+    ("moe.lb_loss_weight=-0.1", "moe.lb_loss_weight"),
+    ("moe.dispatcher=magic", "moe.dispatcher"),
+    ("parallel.ep=3", "parallel.ep"),
+    ("parallel.dp=0", "parallel.dp"),
+    ("parallel.pp=3", "parallel.pp"),
+    ("parallel.pp_schedule=fast", "parallel.pp_schedule"),
+    ("train.steps=0", "train.steps"),
+    ("train.lr=-1", "train.lr"),
+    ("train.beta1=1.0", "train.beta1"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio"),
+    ("train.schedule=step", "train.schedule"),
+    ("train.global_batch_tokens=100", "train.global_batch_tokens"),
+    ("data.val_fraction=0", "data.val_fraction"),
+    ("precision.experts=fp4", "precision.experts"),
+    ("precision.param_dtype=fp16", "precision.param_dtype"),
+]
+
+
+@pytest.mark.parametrize("override,field", BAD_VALUES)
+def test_bad_value_names_the_field(override, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        tiny().with_overrides([override])
+
+
+def test_top_k_message():
+    with pytest.raises(ValueError, match=r"moe\.top_k \(9\) must be <= moe\.num_experts \(8\)"):
+        tiny().with_overrides(["moe.top_k=9"])
+
+
+def test_unknown_keys_and_sections():
+    with pytest.raises(ValueError, match="moe.bogus"):
+        tiny().with_overrides(["moe.bogus=1"])
+    with pytest.raises(ValueError, match="unknown config section"):
+        RunConfig.from_dict({"modle": {}})
+    with pytest.raises(ValueError, match="section.field=value"):
+        tiny().with_overrides(["moe.top_k"])
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = tiny().with_overrides(["train.lr=1e-3", "moe.capacity_factor=1.25", "name=x"])
+    cfg.save_yaml(tmp_path / "c.yaml")
+    assert RunConfig.load_yaml(tmp_path / "c.yaml") == cfg
+    assert cfg.train.lr == 1e-3 and cfg.name == "x"
+
+
+def test_presets_build_and_unknown_preset():
+    for name in PRESETS:
+        assert get_preset(name).moe.top_k <= get_preset(name).moe.num_experts
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("huge")
+
+
+def test_ep_must_divide_dp():
+    with pytest.raises(ValueError, match=r"parallel\.ep \(2\) must divide parallel\.dp \(3\)"):
+        tiny().with_overrides(["parallel.ep=2", "parallel.dp=3"])
+
+
+def test_layout_checks():
+    cfg = tiny().with_overrides(["parallel.ep=2"])
+    assert cfg.dp_size(4) == 4
+    with pytest.raises(ValueError, match="parallel.ep"):
+        cfg.dp_size(1)
+    with pytest.raises(ValueError, match="parallel.pp"):
+        tiny().with_overrides(["parallel.pp=2"]).dp_size(3)
