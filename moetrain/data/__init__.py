@@ -1,0 +1,36 @@
+"""Data: tokenizers, token directories on disk, the embedded default corpus and batch loaders.
+
+Nothing here imports moetrain beyond `moetrain.config`; every layer above may import it.
+"""
+
+from moetrain.data.corpus import cache_dir, embedded_corpus, embedded_documents, unigram_entropy
+from moetrain.data.loader import RandomTokenLoader, SequenceLoader, open_data
+from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from moetrain.data.tokens import (
+    load_dir_tokenizer,
+    load_split,
+    prepare,
+    read_meta,
+    split_documents,
+    write_token_dir,
+)
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "RandomTokenLoader",
+    "SequenceLoader",
+    "Tokenizer",
+    "cache_dir",
+    "embedded_corpus",
+    "embedded_documents",
+    "load_dir_tokenizer",
+    "load_split",
+    "load_tokenizer",
+    "open_data",
+    "prepare",
+    "read_meta",
+    "split_documents",
+    "unigram_entropy",
+    "write_token_dir",
+]

@@ -1,0 +1,208 @@
+"""Batches of fixed-length token sequences for training and evaluation, resumable and rank-aware.
+
+`SequenceLoader` cuts a flat token stream into non-overlapping windows of seq_len + 1 tokens
+(window i starts at token i * seq_len, so consecutive windows share one token and every token
+but the first is a target exactly once per epoch). Epoch e visits the windows in a permutation
+drawn from a numpy Generator seeded by (seed, e); a global batch is world_size * batch_size
+consecutive windows of it and rank r takes the r-th slice, so the ranks' batches are disjoint
+and together equal what one process with the whole global batch would read. An epoch's trailing
+partial global batch is dropped. The state is (epoch, index of the next global batch): plain
+ints that do not depend on the rank, and resuming from it yields bitwise the same batches.
+`RandomTokenLoader` produces uniform random ids for benchmarks, with the same interface.
+`open_data` turns a `DataConfig` into validated train/val token arrays and their tokenizer.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetrain.config import DataConfig
+from moetrain.data.corpus import embedded_corpus
+from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer
+from moetrain.data.tokens import load_dir_tokenizer, load_split, read_meta
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
+            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+
+
+def _split_pair(batch_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch_BS1[:, :-1].contiguous(), batch_BS1[:, 1:].contiguous()
+
+
+class SequenceLoader:
+    """Infinite iterator of (inputs_BS, targets_BS) int64 tensors on `device`."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device = "cpu",
+    ):
+        _check_positive(seq_len=seq_len, batch_size=batch_size, world_size=world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank ({rank}) must be in [0, world_size ({world_size}))")
+        if not isinstance(seed, Integral) or seed < 0:
+            raise ValueError(f"seed ({seed!r}) must be a non-negative integer")
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be a 1-D array, got shape {tokens.shape}")
+        self.tokens = tokens
+        self.seq_len, self.batch_size, self.seed = int(seq_len), int(batch_size), int(seed)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.device = torch.device(device)
+        self.num_windows = max(len(tokens) - 1, 0) // seq_len
+        global_batch = world_size * batch_size
+        if self.num_windows < global_batch:
+            raise ValueError(
+                f"the data holds {len(tokens)} tokens, i.e. {self.num_windows} windows of "
+                f"seq_len + 1 = {seq_len + 1} tokens, fewer than one global batch of world_size x "
+                f"batch_size = {world_size} x {batch_size} = {global_batch} windows; use a smaller "
+                "seq_len or batch size, or more data"
+            )
+        self._offsets_S1 = np.arange(seq_len + 1)
+        self.epoch = 0
+        self.index = 0
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_windows // (self.world_size * self.batch_size)
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._perm = rng.permutation(self.num_windows)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def __iter__(self) -> SequenceLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        first = (self.index * self.world_size + self.rank) * self.batch_size
+        windows_B = self._permutation()[first : first + self.batch_size]
+        self.index += 1
+        if self.index == self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        positions_BS1 = windows_B[:, None] * self.seq_len + self._offsets_S1
+        on_cuda = self.device.type == "cuda"
+        # On CUDA the gather lands in pinned memory so the copy to the GPU can run asynchronously;
+        # the caching host allocator keeps the buffer alive until that copy has finished.
+        host_BS1 = torch.empty(positions_BS1.shape, dtype=torch.int64, pin_memory=on_cuda)
+        host_BS1.numpy()[...] = self.tokens[positions_BS1]
+        return _split_pair(host_BS1.to(self.device, non_blocking=on_cuda))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": int(self.epoch), "index": int(self.index)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch, index = state.get("epoch"), state.get("index")
+        if not isinstance(epoch, Integral) or not isinstance(index, Integral) or epoch < 0:
+            raise ValueError(f"loader state {state!r} must hold ints 'epoch' >= 0 and 'index'")
+        if not 0 <= index <= self.batches_per_epoch:
+            raise ValueError(
+                f"loader state index ({index}) must be in [0, {self.batches_per_epoch}], the "
+                "batches per epoch of this data, seq_len and global batch"
+            )
+        if index == self.batches_per_epoch:  # the canonical form of "the epoch just ended"
+            epoch, index = epoch + 1, 0
+        self.epoch, self.index = int(epoch), int(index)
+
+
+class RandomTokenLoader:
+    """Uniform random token ids, generated on `device` (benchmarks: no data reading at all).
+
+    Batch n is drawn from a generator seeded by (seed, rank, n), so resuming after n batches
+    costs nothing and reproduces the stream exactly.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int,
+        rank: int = 0,
+        device: str | torch.device = "cpu",
+    ):
+        _check_positive(vocab_size=vocab_size, seq_len=seq_len, batch_size=batch_size)
+        if not all(isinstance(v, Integral) and v >= 0 for v in (seed, rank)):
+            raise ValueError(f"seed ({seed!r}) and rank ({rank!r}) must be non-negative integers")
+        self.vocab_size, self.seq_len = int(vocab_size), int(seq_len)
+        self.batch_size, self.seed, self.rank = int(batch_size), int(seed), int(rank)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.batches = 0
+
+    def __iter__(self) -> RandomTokenLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        entropy = [self.seed, self.rank, self.batches]
+        batch_seed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
+        self.generator.manual_seed(int(batch_seed) >> 1)  # 63 bits: manual_seed takes an int64
+        self.batches += 1
+        shape = (self.batch_size, self.seq_len + 1)
+        batch_BS1 = torch.randint(
+            0, self.vocab_size, shape, generator=self.generator, device=self.device
+        )
+        return _split_pair(batch_BS1)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": int(self.batches)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        batches = state.get("batches")
+        if not isinstance(batches, Integral) or batches < 0:
+            raise ValueError(f"loader state {state!r} must hold an int 'batches' >= 0")
+        self.batches = int(batches)
+
+
+def open_data(
+    cfg: DataConfig, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, ByteTokenizer | HFTokenizer]:
+    """(train tokens, val tokens, tokenizer) for a run; every id is checked to be < vocab_size.
+
+    `cfg.path` None means the embedded corpus, tokenized with `cfg.tokenizer`. A prepared
+    directory brings its own tokenizer: `cfg.tokenizer` may stay "byte" (the default) or name the
+    same tokenizer; any other value is an error rather than silently mismatched ids.
+    `cfg.random_tokens` is not looked at here: the caller builds a `RandomTokenLoader` instead.
+    """
+    if cfg.path is None:
+        data_dir = embedded_corpus(cfg.tokenizer, cfg.val_fraction)
+    else:
+        data_dir = Path(cfg.path)
+        recorded = read_meta(data_dir)["tokenizer"]
+        if cfg.tokenizer != "byte" and not _same_tokenizer(cfg.tokenizer, recorded):
+            raise ValueError(
+                f"data.tokenizer ({cfg.tokenizer!r}) differs from the tokenizer {data_dir} was "
+                f"prepared with ({recorded!r}); leave data.tokenizer at its default to use the "
+                "directory's tokenizer, or prepare the data again with this one"
+            )
+    tokenizer = load_dir_tokenizer(data_dir)
+    train = load_split(data_dir, "train", vocab_size)
+    val = load_split(data_dir, "val", vocab_size)
+    return train, val, tokenizer
+
+
+def _same_tokenizer(spec: str, recorded: str) -> bool:
+    if spec == recorded:
+        return True
+    if recorded == "byte":
+        return False
+    paths = [Path(s) / "tokenizer.json" if Path(s).is_dir() else Path(s) for s in (spec, recorded)]
+    return paths[0].resolve() == paths[1].resolve()

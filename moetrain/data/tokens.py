@@ -1,0 +1,354 @@
+"""Token directories: the on-disk format of tokenized text, how to write one and how to read it.
+
+A token directory holds ``train.npy`` and ``val.npy`` (flat 1-D arrays of token ids, uint16 when
+the vocabulary fits in 16 bits, else uint32; every document is followed by the tokenizer's EOS
+id), ``meta.json`` (format, version, tokenizer, vocab_size, eos_id, dtype, per-split token and
+document counts) and, for a Hugging Face tokenizer, a copy of its ``tokenizer.json`` so the
+directory stays readable when the original file moves. Invariants: a directory is written into
+a temporary sibling and renamed into place at the end, so a crash or a bad input never leaves a
+partial directory; both splits hold at least one document; readers memory-map the arrays and
+check them against meta.json, so a truncated or foreign file is a `ValueError` naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import ArrayLike
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+FORMAT = "moetrain-tokens"
+VERSION = 1
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def check_val_fraction(val_fraction: float) -> None:
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction ({val_fraction!r}) must be in (0, 1)")
+
+
+def split_documents(
+    docs: Iterable[ArrayLike], val_fraction: float
+) -> Iterator[tuple[str, ArrayLike]]:
+    """Label each document "train" or "val", deterministically and without reading ahead.
+
+    Document i (counting from 0) is held out when floor((i + 1) * f) > floor(i * f), which spreads
+    floor(n * f) validation documents evenly (every 20th for f = 0.05). When that holds out
+    nothing, the last document goes to val, so any two or more documents give both splits.
+    """
+    check_val_fraction(val_fraction)
+    pending = None  # the latest train document, held back in case val ends up empty
+    num_val = 0
+    for i, ids in enumerate(docs):
+        if int((i + 1) * val_fraction) > int(i * val_fraction):
+            num_val += 1
+            yield "val", ids
+            continue
+        if pending is not None:
+            yield "train", pending
+        pending = ids
+    if pending is not None:
+        yield ("val" if num_val == 0 else "train"), pending
+
+
+def prepare(
+    files: list[str | Path],
+    out_dir: str | Path,
+    tokenizer: str = "byte",
+    val_fraction: float = 0.05,
+    progress: bool = True,
+) -> Path:
+    """Tokenize text files into a token directory at `out_dir` (see the module docstring).
+
+    A ``.txt`` file is one document (a book or an article keeps its long-range context); a
+    ``.jsonl`` file holds one document per line, in its string "text" field (blank lines and empty
+    texts are skipped). Documents are held out for val by `split_documents`, in input order.
+    """
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise ValueError("prepare needs at least one input file")
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"input file {path} does not exist")
+        if path.suffix not in (".txt", ".jsonl"):
+            raise ValueError(f"input file {path} has an unsupported type; expected .txt or .jsonl")
+    check_val_fraction(val_fraction)
+    tok = load_tokenizer(tokenizer)
+    bar = _ByteProgress(progress, sum(p.stat().st_size for p in paths))
+    with bar.bar:
+        docs = (tok.encode_array(text) for text in _read_documents(paths, bar))
+        out = write_token_dir(out_dir, split_documents(docs, val_fraction), tok)
+        bar.flush()
+    return out
+
+
+def _read_documents(paths: list[Path], bar: _ByteProgress) -> Iterator[str]:
+    for path in paths:
+        bar.start_file(path)
+        if path.suffix == ".txt":
+            data = path.read_bytes()
+            bar.advance(len(data))
+            if not data.strip():
+                raise ValueError(f"input file {path} is empty")
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"input file {path} is not UTF-8 text: {exc}") from None
+            yield text
+            continue
+        num_docs = 0
+        with open(path, "rb") as f:
+            for line_no, line in enumerate(f, start=1):
+                bar.advance(len(line))
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({exc})") from None
+                text = record.get("text") if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise ValueError(
+                        f'{path}:{line_no}: expected a JSON object with a string "text" field'
+                    )
+                if text:
+                    num_docs += 1
+                    yield text
+        if num_docs == 0:
+            raise ValueError(f'input file {path} holds no documents (no non-empty "text")')
+
+
+class _ByteProgress:
+    """A rich progress bar over input bytes; updates are batched because rich locks per call."""
+
+    def __init__(self, enabled: bool, total_bytes: int):
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn())
+        self.bar = Progress(*columns, console=Console(stderr=True), disable=not enabled)
+        self.task = self.bar.add_task("tokenizing", total=total_bytes)
+        self.pending = 0
+
+    def start_file(self, path: Path) -> None:
+        self.flush()
+        self.bar.update(self.task, description=f"tokenizing {path.name}")
+
+    def advance(self, num_bytes: int) -> None:
+        self.pending += num_bytes
+        if self.pending >= 1 << 20:
+            self.flush()
+
+    def flush(self) -> None:
+        self.bar.advance(self.task, self.pending)
+        self.pending = 0
+
+
+def write_token_dir(
+    out_dir: str | Path,
+    documents: Iterable[tuple[str, ArrayLike]],
+    tokenizer: ByteTokenizer | HFTokenizer,
+    *,
+    if_exists: Literal["replace", "keep"] = "replace",
+) -> Path:
+    """Write ("train" | "val", token ids) documents as a token directory, atomically.
+
+    An existing token directory (or empty directory) at `out_dir` is replaced, or kept when
+    ``if_exists="keep"``, in which case a directory that appears while this one is being built
+    wins (concurrent builders of the same cache entry). Anything else there is an error.
+    """
+    out_dir = Path(out_dir)
+    if _check_destination(out_dir) and if_exists == "keep":
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex}")
+    tmp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would end up on the finished directory
+    try:
+        meta = _write_splits(tmp, documents, tokenizer)
+        if isinstance(tokenizer, HFTokenizer):
+            shutil.copyfile(tokenizer.path, tmp / "tokenizer.json")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _install(tmp, out_dir, if_exists)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _check_destination(out_dir: Path) -> bool:
+    """True when `out_dir` is an existing token directory; an error when it is something else."""
+    if not out_dir.exists():
+        return False
+    if not out_dir.is_dir():
+        raise ValueError(f"output {out_dir} exists and is not a directory")
+    if (out_dir / "meta.json").is_file():
+        read_meta(out_dir)  # raises when it is some other program's directory
+        return True
+    if any(out_dir.iterdir()):
+        raise ValueError(
+            f"output directory {out_dir} is not empty and is not a moetrain token directory; "
+            "refusing to overwrite it"
+        )
+    return False
+
+
+def _write_splits(
+    tmp: Path, documents: Iterable[tuple[str, ArrayLike]], tokenizer: ByteTokenizer | HFTokenizer
+) -> dict[str, Any]:
+    # Tokens stream into raw files first because the .npy header needs the final length.
+    dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
+    eos = np.array([tokenizer.eos_id], dtype=dtype).tobytes()
+    num_tokens = dict.fromkeys(SPLITS, 0)
+    num_documents = dict.fromkeys(SPLITS, 0)
+    with contextlib.ExitStack() as stack:
+        raw = {s: stack.enter_context(open(tmp / f"{s}.bin", "wb")) for s in SPLITS}
+        for split, ids in documents:
+            if split not in SPLITS:
+                raise ValueError(f"document split {split!r} must be one of {', '.join(SPLITS)}")
+            ids = np.asarray(ids)
+            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+                raise ValueError(f"a document must be a 1-D sequence of int ids, got {ids.dtype}")
+            if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                bad = ids.max() if ids.max() >= tokenizer.vocab_size else ids.min()
+                raise ValueError(
+                    f"token id {bad} is outside the vocabulary of tokenizer {tokenizer.name} "
+                    f"[0, {tokenizer.vocab_size})"
+                )
+            raw[split].write(ids.astype(dtype).tobytes())
+            raw[split].write(eos)
+            num_tokens[split] += ids.size + 1
+            num_documents[split] += 1
+    for split in SPLITS:
+        if num_documents[split] == 0:
+            raise ValueError(
+                f"the {split} split would be empty ({num_documents['train']} train and "
+                f"{num_documents['val']} val documents); give more documents or change val_fraction"
+            )
+    for split in SPLITS:
+        _raw_to_npy(tmp / f"{split}.bin", tmp / f"{split}.npy", dtype, num_tokens[split])
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "dtype": dtype.name,
+        "num_tokens": num_tokens,
+        "num_documents": num_documents,
+    }
+
+
+def _raw_to_npy(raw: Path, npy: Path, dtype: np.dtype, length: int) -> None:
+    header = {"descr": dtype.str, "fortran_order": False, "shape": (length,)}
+    with open(raw, "rb") as src, open(npy, "wb") as dst:
+        np.lib.format.write_array_header_1_0(dst, header)
+        shutil.copyfileobj(src, dst, 16 << 20)
+        dst.flush()
+        os.fsync(dst.fileno())
+    raw.unlink()
+
+
+def _install(tmp: Path, out_dir: Path, if_exists: str) -> None:
+    try:
+        os.replace(tmp, out_dir)  # succeeds when out_dir is absent or an empty directory
+        return
+    except OSError:
+        if not out_dir.is_dir():
+            raise
+    if if_exists == "keep":  # another builder finished first: use its directory
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    # Directories cannot be swapped in one rename; out_dir is briefly absent, never partial.
+    old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex}")
+    os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(data_dir: str | Path) -> dict[str, Any]:
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise ValueError(
+            f"token directory {data_dir} does not exist; create it with `moetrain prepare`"
+        )
+    path = data_dir / "meta.json"
+    if not path.is_file():
+        raise ValueError(
+            f"{path} is missing: {data_dir} is not a moetrain token directory "
+            "(create one with `moetrain prepare`)"
+        )
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    found = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else None
+    if found != (FORMAT, VERSION):
+        raise ValueError(f"{path} has (format, version) {found}; expected {(FORMAT, VERSION)}")
+    keys = ("tokenizer", "vocab_size", "eos_id", "dtype", "num_tokens", "num_documents")
+    missing = [k for k in keys if k not in meta]
+    if missing:
+        raise ValueError(f"{path} lacks the field(s) {', '.join(missing)}")
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise ValueError(f"{path} has dtype {meta['dtype']!r}; expected uint16 or uint32")
+    return meta
+
+
+def load_split(data_dir: str | Path, split: str, vocab_size: int | None = None) -> np.ndarray:
+    """Memory-map one split, checked against meta.json (and against `vocab_size` when given)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} must be one of {', '.join(SPLITS)}")
+    meta = read_meta(data_dir)
+    path = Path(data_dir) / f"{split}.npy"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; prepare the directory again")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as exc:  # numpy raises ValueError, OSError or EOFError depending on the damage
+        raise ValueError(f"{path} is truncated or corrupt ({exc}); prepare it again") from None
+    expected_dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    if tokens.dtype != expected_dtype:
+        raise ValueError(
+            f"{path} holds {tokens.dtype} values but meta.json says {meta['dtype']}; "
+            "the file was not written by moetrain prepare"
+        )
+    expected_len = meta["num_tokens"].get(split)
+    if tokens.ndim != 1 or tokens.shape[0] != expected_len:
+        raise ValueError(
+            f"{path} has shape {tokens.shape} but meta.json says {expected_len} tokens; "
+            "the file is truncated or corrupt"
+        )
+    if vocab_size is not None and tokens.size:
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise ValueError(f"token id {top} in {path} is >= model.vocab_size ({vocab_size})")
+    return tokens
+
+
+def load_dir_tokenizer(data_dir: str | Path) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a token directory was written with (its own copy for Hugging Face ones)."""
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    copy = data_dir / "tokenizer.json"
+    if meta["tokenizer"] != "byte" and copy.is_file():
+        tokenizer = HFTokenizer(copy, name=meta["tokenizer"], eos_id=meta["eos_id"])
+    else:
+        tokenizer = load_tokenizer(meta["tokenizer"])
+    if (tokenizer.vocab_size, tokenizer.eos_id) != (meta["vocab_size"], meta["eos_id"]):
+        raise ValueError(
+            f"tokenizer {meta['tokenizer']} has vocab_size {tokenizer.vocab_size} and eos_id "
+            f"{tokenizer.eos_id}, but {data_dir / 'meta.json'} records {meta['vocab_size']} and "
+            f"{meta['eos_id']}; the tokenizer changed after the data was prepared"
+        )
+    return tokenizer
