@@ -1,0 +1,1 @@
+"""Checkpoints: torch.distributed.checkpoint (DCP) directories, written atomically, verified on load."""

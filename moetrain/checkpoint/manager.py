@@ -1,0 +1,214 @@
+"""Atomic, verified, rotating checkpoints under `RUN_DIR/checkpoints/step-N/`.
+
+A save writes into `step-N.tmp/`: the DCP shards of the tensor state (model, optimizer, RNG), a
+`trainer.json` with the plain-Python state (step, loader position, counters), the resolved
+`config.yaml`, and last a `manifest.json` listing every file with its size and SHA-256. Then rank 0
+renames the directory to `step-N/`. A directory without a manifest, or whose name ends in `.tmp`,
+is never picked by `latest()`; a crash mid-save therefore leaves the previous checkpoint as the
+newest complete one. `verify()` rechecks sizes and hashes, so truncation or bit rot is a clear
+error instead of a confusing failure deep inside torch. The newest `keep` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupted."""
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns that it assumes one process when no process group exists; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(
+    checkpoint_root: Path | str,
+    step: int,
+    tensor_state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    keep: int = 2,
+) -> Path:
+    """Collective: every rank calls it. Returns the final directory."""
+    root = Path(checkpoint_root)
+    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    with _quiet_dcp():
+        dcp.save(tensor_state, checkpoint_id=str(tmp))
+    _barrier()
+    if _rank() == 0:
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+        (tmp / "config.yaml").write_text(config_yaml)
+        files = {
+            p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(tmp.iterdir())
+            if p.is_file()
+        }
+        with (tmp / MANIFEST).open("w") as f:
+            json.dump({"step": step, "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = list_complete(root)
+    for path in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.glob("step-*.tmp"):  # leftovers of crashed saves
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def list_complete(root: Path | str) -> list[Path]:
+    """Complete checkpoint directories (a manifest present), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / MANIFEST).is_file():
+            found.append((int(match.group(1)), path))
+    return [p for _, p in sorted(found)]
+
+
+def verify(path: Path | str, check_hashes: bool = True) -> dict[str, Any]:
+    """Check every file of the manifest; return the manifest. Raises CheckpointError."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST})")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest_path} is corrupted: {exc}") from None
+    for name, info in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}")
+        if file.stat().st_size != info["size"]:
+            raise CheckpointError(
+                f"checkpoint file {file} is truncated or altered "
+                f"({file.stat().st_size} bytes, expected {info['size']})"
+            )
+        if check_hashes and _sha256(file) != info["sha256"]:
+            raise CheckpointError(f"checkpoint file {file} is corrupted (SHA-256 mismatch)")
+    return manifest
+
+
+def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_shapes(path: Path | str, tensor_state: dict[str, Any]) -> None:
+    """Compare every tensor's global shape with the checkpoint's before loading anything, so a
+    checkpoint of another model shape is one readable error rather than a DCP stack trace."""
+    with _quiet_dcp():
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    problems = []
+    for name, value in _flatten(tensor_state).items():
+        if not hasattr(value, "shape"):
+            continue
+        if name not in saved:
+            problems.append(f"{name} is missing from the checkpoint")
+        elif hasattr(saved[name], "size") and tuple(saved[name].size) != tuple(value.shape):
+            problems.append(
+                f"{name}: checkpoint {tuple(saved[name].size)}, this model {tuple(value.shape)}"
+            )
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {path} does not match this model: {'; '.join(problems[:5])}{more}"
+        )
+
+
+def latest(root: Path | str, check_hashes: bool = True) -> Path | None:
+    """The newest checkpoint that verifies; corrupted newer ones are reported and skipped."""
+    for path in reversed(list_complete(root)):
+        try:
+            verify(path, check_hashes)
+            return path
+        except CheckpointError as exc:
+            print(f"warning: skipping checkpoint: {exc}")
+    return None
+
+
+def load(
+    path: Path | str, tensor_state: dict[str, Any], check_hashes: bool = True
+) -> dict[str, Any]:
+    """Verify, then load tensors in place into `tensor_state`; returns the trainer state."""
+    path = Path(path)
+    verify(path, check_hashes)
+    check_shapes(path, tensor_state)
+    try:
+        with _quiet_dcp():
+            dcp.load(tensor_state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
+        raise CheckpointError(f"cannot load checkpoint {path} into this model: {exc}") from exc
+    return json.loads((path / TRAINER_STATE).read_text())

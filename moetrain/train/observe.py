@@ -1,0 +1,295 @@
+"""Routing observability: what the experts actually receive, beyond the auxiliary losses.
+
+The load-balancing loss can be gamed: its value improves while the real load gets more
+imbalanced (e.g. the router flattens its probabilities but keeps sending most routes to a few
+experts). So every log line carries measured load statistics per MoE layer, and a detector
+warns when the two disagree. Everything here runs at the log cadence on host values: the
+trainer reads the device buffers once (`summarize_moe_stats` does a single device-to-host copy)
+and the rest is plain Python.
+
+Contents: `routing_summary` (one layer's load statistics), `summarize_moe_stats` (all layers from
+`MoELayer.read_stats()`), `TokenGamingDetector`, `read_metrics` (the metrics.jsonl format) and
+`TensorBoardWriter` (optional mirror of the same records).
+
+metrics.jsonl holds one JSON object per line, appended by the trainer:
+    {"kind": "train", "step", "loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
+     "tflops", "mfu", "peak_mem_gib", "skipped_steps", "moe": [{"layer": int, **routing_summary}]}
+    {"kind": "eval", "step", "val_loss"}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+Number = float | int | torch.Tensor
+
+
+def routing_summary(
+    tokens_per_expert: torch.Tensor | np.ndarray | Sequence[int],
+    *,
+    lb_loss: Number,
+    z_loss: Number,
+    lb_weight: float,
+    z_weight: float,
+    entropy: Number | None = None,
+    dropped: Number | None = None,
+    routed: Number | None = None,
+) -> dict[str, Any]:
+    """Load statistics of one MoE layer over a log interval, as plain Python numbers.
+
+    `tokens_per_expert` counts routes (token, k) per expert. Keys:
+    - max_mean: max / mean load (1.0 is perfect balance, E means one expert takes everything);
+    - cv: population standard deviation / mean of the load (0.0 is perfect balance);
+    - zero_frac: fraction of experts that received no route;
+    - entropy: mean per-token router entropy in nats (None when not measured);
+    - drop_frac: dropped / routed (None when `dropped` is not given; `routed` defaults to the
+      total of `tokens_per_expert`);
+    - lb_loss, z_loss (unweighted), lb_loss_weighted, z_loss_weighted;
+    - tokens_per_expert: the counts as a list of ints.
+    With no routes at all, max_mean and cv are NaN: balance is undefined, not perfect.
+    """
+    load_E = _to_numpy(tokens_per_expert).astype(np.float64)
+    if load_E.ndim != 1 or load_E.size == 0:
+        raise ValueError(
+            f"tokens_per_expert must be a non-empty 1-D vector, got shape {tuple(load_E.shape)}"
+        )
+    total = float(load_E.sum())
+    mean = total / load_E.size
+    if mean > 0:
+        max_mean = float(load_E.max()) / mean
+        cv = float(load_E.std()) / mean  # numpy's default std is the population std (ddof=0)
+    else:
+        max_mean = cv = math.nan
+
+    drop_frac = None
+    if dropped is not None:
+        num_routed = float(routed) if routed is not None else total
+        drop_frac = float(dropped) / num_routed if num_routed > 0 else 0.0
+
+    lb, z = float(lb_loss), float(z_loss)
+    return {
+        "max_mean": max_mean,
+        "cv": cv,
+        "zero_frac": float((load_E == 0).sum()) / load_E.size,
+        "entropy": None if entropy is None else float(entropy),
+        "drop_frac": drop_frac,
+        "lb_loss": lb,
+        "z_loss": z,
+        "lb_loss_weighted": lb_weight * lb,
+        "z_loss_weighted": z_weight * z,
+        "tokens_per_expert": [int(v) for v in np.rint(load_E)],
+    }
+
+
+def summarize_moe_stats(
+    stats_by_layer: Mapping[int, Mapping[str, torch.Tensor]],
+    *,
+    lb_weight: float,
+    z_weight: float,
+) -> list[dict[str, Any]]:
+    """`{layer: MoELayer.read_stats()}` -> the "moe" list of a train record, one dict per layer.
+
+    All device values of all layers come to the host in one copy (one sync per log line, not
+    one per number). Optional stats keys: "entropy", "dropped", "routed" (scalars).
+    """
+    optional = ("entropy", "dropped", "routed")
+    flat: list[torch.Tensor] = []
+    for stats in stats_by_layer.values():
+        flat.append(stats["tokens_per_expert"].reshape(-1).double())
+        for key in ("lb_loss", "z_loss", *optional):
+            if key in stats:
+                flat.append(torch.as_tensor(stats[key]).reshape(1).double())
+    if not flat:
+        return []
+    device = flat[0].device
+    host = torch.cat([t.to(device) for t in flat]).cpu().numpy()
+
+    summaries, pos = [], 0
+    for layer, stats in stats_by_layer.items():
+        num_experts = stats["tokens_per_expert"].numel()
+        values: dict[str, Any] = {"tokens_per_expert": host[pos : pos + num_experts]}
+        pos += num_experts
+        for key in ("lb_loss", "z_loss", *optional):
+            if key in stats:
+                values[key] = float(host[pos])
+                pos += 1
+        summary = routing_summary(
+            values.pop("tokens_per_expert"), lb_weight=lb_weight, z_weight=z_weight, **values
+        )
+        summaries.append({"layer": int(layer), **summary})
+    return summaries
+
+
+class TokenGamingDetector:
+    """Warns when a layer's load-balancing loss improves while its measured load gets worse.
+
+    For each layer it keeps the last `window` log points and fits a least-squares line to the lb
+    loss and to max/mean load against the step; the fit, not the two end points, decides, so
+    single noisy readings neither trigger nor mask a warning. It fires when, along the fitted
+    lines, the lb loss fell by more than `lb_improve` (relative) while max/mean rose by more than
+    `imbalance_worsen` (relative). After a warning the layer's window starts afresh, so a
+    persisting problem is reported once per `window` log steps, not on every line.
+    """
+
+    def __init__(
+        self, window: int = 5, lb_improve: float = 0.02, imbalance_worsen: float = 0.10
+    ) -> None:
+        if window < 2:
+            raise ValueError(f"window ({window}) must be >= 2 log steps")
+        if lb_improve < 0 or imbalance_worsen < 0:
+            raise ValueError(
+                f"lb_improve ({lb_improve}) and imbalance_worsen ({imbalance_worsen}) must be >= 0"
+            )
+        self.window, self.lb_improve, self.imbalance_worsen = window, lb_improve, imbalance_worsen
+        self._history: dict[int, deque[tuple[int, float, float]]] = {}
+
+    def update(self, step: int, layer: int, lb_loss: float, max_mean: float) -> str | None:
+        """Record one log point; return a warning message, or None."""
+        history = self._history.setdefault(layer, deque(maxlen=self.window))
+        lb, imbalance = float(lb_loss), float(max_mean)
+        if not (math.isfinite(lb) and math.isfinite(imbalance)):
+            history.clear()  # a NaN step says nothing about trends; start over
+            return None
+        history.append((step, lb, imbalance))
+        if len(history) < self.window:
+            return None
+
+        steps = [s for s, _, _ in history]
+        lb_start, lb_end = _fitted_ends(steps, [v for _, v, _ in history])
+        mm_start, mm_end = _fitted_ends(steps, [v for _, _, v in history])
+        if lb_start <= 0 or mm_start <= 0:
+            return None
+        lb_drop = (lb_start - lb_end) / lb_start
+        mm_rise = (mm_end - mm_start) / mm_start
+        if lb_drop <= self.lb_improve or mm_rise <= self.imbalance_worsen:
+            return None
+        history.clear()
+        return (
+            f"layer {layer}: load-balancing loss improved {100 * lb_drop:.1f}% "
+            f"({lb_start:.4f} -> {lb_end:.4f}) while max/mean expert load worsened "
+            f"{100 * mm_rise:.1f}% ({mm_start:.2f} -> {mm_end:.2f}) over steps "
+            f"{steps[0]}-{steps[-1]} (fitted trend): the balance loss is being gamed; "
+            f"judge balance by the measured load"
+        )
+
+    def reset(self) -> None:
+        self._history.clear()
+
+
+def _fitted_ends(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """Least-squares line through (x, y), evaluated at the first and last x."""
+    x_arr, y_arr = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    dx = x_arr - x_arr.mean()
+    denom = float((dx * dx).sum())
+    slope = float((dx * (y_arr - y_arr.mean())).sum()) / denom if denom > 0 else 0.0
+    mean = float(y_arr.mean())
+    return mean + slope * float(dx[0]), mean + slope * float(dx[-1])
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train records, eval records) from a metrics.jsonl file or the run directory holding one.
+
+    Both lists are sorted by step. A step logged twice (a run resumed from a checkpoint older
+    than its last log line) keeps its latest record. Lines that are not valid JSON are skipped:
+    the last one may be cut short by a crash mid-write, and a resumed run appends after it.
+    Records of other kinds are ignored.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"no metrics file at {path}")
+    by_kind: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}
+    with path.open() as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict) or "step" not in record:
+                continue
+            records = by_kind.get(record.get("kind", ""))
+            if records is not None:
+                records[int(record["step"])] = record
+    train, evals = (
+        [records[s] for s in sorted(records)] for records in (by_kind["train"], by_kind["eval"])
+    )
+    return train, evals
+
+
+# Record key -> TensorBoard tag. Grouped by prefix, so train and val loss share one section.
+_TB_TAGS = {
+    "loss": "loss/train",
+    "val_loss": "loss/val",
+    "lb_loss": "aux/lb_loss",
+    "z_loss": "aux/z_loss",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tflops": "perf/tflops",
+    "mfu": "perf/mfu",
+    "peak_mem_gib": "perf/peak_mem_gib",
+}
+_TB_MOE_KEYS = ("max_mean", "cv", "zero_frac", "entropy", "lb_loss", "drop_frac")
+
+
+class TensorBoardWriter:
+    """Mirrors train/eval records to TensorBoard event files in `run_dir`.
+
+    Needs the `tensorboard` package; without it, it logs one info message and every `write` is a
+    no-op (`enabled` is False). Missing or None values are skipped.
+    Tags: loss/train, loss/val, aux/*, optim/*, perf/*, and moe/{layer}/{max_mean, cv,
+    zero_frac, entropy, lb_loss, drop_frac}.
+    """
+
+    def __init__(self, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
+        self._writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            log("info: TensorBoard logging is off (pip install tensorboard to turn it on)")
+            return
+        self._writer = SummaryWriter(log_dir=str(run_dir))
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self._writer is None:
+            return
+        step = int(record["step"])
+        for key, tag in _TB_TAGS.items():
+            self._scalar(tag, record.get(key), step)
+        for layer in record.get("moe") or ():
+            for key in _TB_MOE_KEYS:
+                self._scalar(f"moe/{layer['layer']}/{key}", layer.get(key), step)
+        self._writer.flush()  # once per log line: TensorBoard shows the run as it goes
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _scalar(self, tag: str, value: Any, step: int) -> None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            self._writer.add_scalar(tag, value, step)
+
+
+def _to_numpy(values: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy()
+    return np.asarray(values)

@@ -1,0 +1,77 @@
+"""Checkpoints are atomic, verified and rotated."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moetrain.checkpoint import manager
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 64, generator=g), "b": torch.randn(7, generator=g)}}
+
+
+def _empty() -> dict:
+    return {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(7)}}
+
+
+def test_save_load_roundtrip_and_keep_last(tmp_path):
+    for step in (1, 2, 3):
+        manager.save(tmp_path, step, _state(step), {"step": step}, "name: x\n", keep=2)
+    assert [p.name for p in manager.list_complete(tmp_path)] == ["step-2", "step-3"]
+    target = _empty()
+    assert manager.load(manager.latest(tmp_path), target) == {"step": 3}
+    assert torch.equal(target["model"]["w"], _state(3)["model"]["w"])
+
+
+def test_truncated_or_corrupted_checkpoint_is_detected_and_previous_is_used(tmp_path, capsys):
+    manager.save(tmp_path, 1, _state(1), {"step": 1}, "", keep=3)
+    manager.save(tmp_path, 2, _state(2), {"step": 2}, "", keep=3)
+    shard = next((tmp_path / "step-2").glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(manager.CheckpointError, match="truncated"):
+        manager.load(tmp_path / "step-2", _empty())
+    assert manager.latest(tmp_path).name == "step-1"
+    assert "skipping checkpoint" in capsys.readouterr().out
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # same size, one bit pattern changed
+    with pytest.raises(manager.CheckpointError, match="SHA-256"):
+        manager.load(tmp_path / "step-2", _empty())
+    target = _empty()
+    manager.load(manager.latest(tmp_path), target)
+    assert torch.equal(target["model"]["w"], _state(1)["model"]["w"])
+
+
+def test_wrong_model_shape_is_a_clear_error(tmp_path):
+    manager.save(tmp_path, 1, _state(1), {"step": 1}, "")
+    with pytest.raises(manager.CheckpointError, match=r"model\.w: checkpoint \(64, 64\), this model \(32, 64\)"):
+        manager.load(tmp_path / "step-1", {"model": {"w": torch.zeros(32, 64), "b": torch.zeros(7)}})
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    """A process killed in the middle of writing step-2 leaves step-1 as the newest complete."""
+    manager.save(tmp_path, 1, _state(1), {"step": 1}, "")
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        import torch.distributed.checkpoint as dcp
+        from moetrain.checkpoint import manager
+        real_save = dcp.save
+        def dying_save(state, checkpoint_id):
+            real_save(state, checkpoint_id=checkpoint_id)
+            os.kill(os.getpid(), signal.SIGKILL)  # die after the shards, before the manifest
+        dcp.save = dying_save
+        state = {{"model": {{"w": torch.randn(64, 64), "b": torch.randn(7)}}}}
+        manager.save({str(tmp_path)!r}, 2, state, {{"step": 2}}, "")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert (tmp_path / "step-2.tmp").is_dir()
+    assert manager.latest(tmp_path).name == "step-1"
+    target = _empty()
+    assert manager.load(manager.latest(tmp_path), target)["step"] == 1
+    manager.save(tmp_path, 3, _state(3), {"step": 3}, "")  # a later save cleans the leftover
+    assert not (tmp_path / "step-2.tmp").exists()

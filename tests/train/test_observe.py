@@ -1,0 +1,255 @@
+"""Routing observability: load statistics on hand-computed routings, the gaming detector on
+synthetic series, the metrics.jsonl reader and the TensorBoard mirror."""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from moetrain.train.observe import (
+    TensorBoardWriter,
+    TokenGamingDetector,
+    read_metrics,
+    routing_summary,
+    summarize_moe_stats,
+)
+
+
+def _summary(tokens, **kwargs):
+    args = {"lb_loss": 1.0, "z_loss": 0.0, "lb_weight": 0.01, "z_weight": 0.001, **kwargs}
+    return routing_summary(tokens, **args)
+
+
+def test_perfectly_balanced_routing():
+    s = _summary(torch.tensor([4, 4, 4, 4]))
+    assert s["max_mean"] == 1.0
+    assert s["cv"] == 0.0
+    assert s["zero_frac"] == 0.0
+    assert s["tokens_per_expert"] == [4, 4, 4, 4]
+
+
+def test_skewed_routing_by_hand():
+    # loads 8, 4, 4, 0: mean 4, max/mean 2, population variance (16+0+0+16)/4 = 8
+    s = _summary(np.array([8, 4, 4, 0]), lb_loss=1.25, z_loss=3.0, entropy=0.5)
+    assert s["max_mean"] == pytest.approx(2.0)
+    assert s["cv"] == pytest.approx(math.sqrt(8) / 4)
+    assert s["zero_frac"] == 0.25
+    assert s["entropy"] == 0.5
+    assert s["lb_loss"] == 1.25 and s["z_loss"] == 3.0
+    assert s["lb_loss_weighted"] == pytest.approx(0.0125)
+    assert s["z_loss_weighted"] == pytest.approx(0.003)
+    assert s["tokens_per_expert"] == [8, 4, 4, 0]
+    assert all(type(v) is int for v in s["tokens_per_expert"])
+    json.dumps(s)  # plain Python values only
+
+
+def test_all_routes_to_one_expert():
+    s = _summary([0, 0, 12, 0])
+    assert s["max_mean"] == pytest.approx(4.0)  # = E, the worst possible
+    # population std of (0, 0, 12, 0) around mean 3 is sqrt((3 * 9 + 81) / 4) = sqrt(27)
+    assert s["cv"] == pytest.approx(math.sqrt(27) / 3)
+    assert s["zero_frac"] == 0.75
+
+
+def test_drop_fraction():
+    s = _summary([6, 2, 2, 2], dropped=3)
+    assert s["drop_frac"] == pytest.approx(3 / 12)  # routed defaults to the total of the counts
+    s = _summary([6, 2, 2, 2], dropped=torch.tensor(3), routed=torch.tensor(24))
+    assert s["drop_frac"] == pytest.approx(3 / 24)
+    assert _summary([6, 2, 2, 2])["drop_frac"] is None
+    assert _summary([6, 2, 2, 2])["entropy"] is None
+
+
+def test_no_routes_is_undefined_not_balanced():
+    s = _summary([0, 0, 0])
+    assert math.isnan(s["max_mean"]) and math.isnan(s["cv"])
+    assert s["zero_frac"] == 1.0
+
+
+def test_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="1-D"):
+        _summary(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="non-empty"):
+        _summary([])
+
+
+def test_summarize_moe_stats_matches_per_layer_summaries():
+    stats = {
+        0: {
+            "tokens_per_expert": torch.tensor([8, 4, 4, 0]),
+            "lb_loss": torch.tensor(1.25),
+            "z_loss": torch.tensor(3.0),
+        },
+        2: {
+            "tokens_per_expert": torch.tensor([3, 5, 4, 4]),
+            "lb_loss": torch.tensor(1.0),
+            "z_loss": torch.tensor(0.5),
+            "entropy": torch.tensor(1.2),
+            "dropped": torch.tensor(2),
+        },
+    }
+    out = summarize_moe_stats(stats, lb_weight=0.01, z_weight=0.001)
+    assert [o["layer"] for o in out] == [0, 2]
+    for o, (layer, st) in zip(out, stats.items(), strict=True):
+        extra = {k: st[k] for k in ("entropy", "dropped") if k in st}
+        expected = routing_summary(
+            st["tokens_per_expert"],
+            lb_loss=st["lb_loss"],
+            z_loss=st["z_loss"],
+            lb_weight=0.01,
+            z_weight=0.001,
+            **extra,
+        )
+        assert o == pytest.approx({"layer": layer, **expected}, nan_ok=True)
+    assert out[0]["entropy"] is None and out[1]["entropy"] == pytest.approx(1.2)
+    assert out[1]["drop_frac"] == pytest.approx(2 / 16)
+    assert summarize_moe_stats({}, lb_weight=0.01, z_weight=0.0) == []
+
+
+# --- gaming detector --------------------------------------------------------------------------
+
+
+def _feed(detector, layer, lb_series, mm_series, every=10):
+    return [
+        msg
+        for i, (lb, mm) in enumerate(zip(lb_series, mm_series, strict=True))
+        if (msg := detector.update(i * every, layer, lb, mm)) is not None
+    ]
+
+
+def test_detector_fires_on_gaming():
+    # lb loss slides from 1.10 to 1.00 while max/mean load climbs from 1.5 to 3.0
+    lb = np.linspace(1.10, 1.00, 10)
+    mm = np.linspace(1.5, 3.0, 10)
+    messages = _feed(TokenGamingDetector(window=5), 3, lb, mm)
+    assert messages
+    assert "layer 3" in messages[0]
+    assert "steps 0-40" in messages[0]
+    assert "1.1000" in messages[0] and "1.50" in messages[0]  # the numbers, not just a verdict
+    # once per window of evidence, not on every log line
+    assert len(messages) == 2
+
+
+def test_detector_silent_when_healthy():
+    # both improving: the loss and the measured load agree
+    lb = np.linspace(1.30, 1.02, 30)
+    mm = np.linspace(3.0, 1.3, 30)
+    assert _feed(TokenGamingDetector(), 0, lb, mm) == []
+
+
+def test_detector_silent_when_loss_honestly_reports_imbalance():
+    # imbalance worsens and the lb loss says so (it rises): a problem, but not gaming
+    lb = np.linspace(1.0, 1.2, 30)
+    mm = np.linspace(1.5, 3.0, 30)
+    assert _feed(TokenGamingDetector(), 0, lb, mm) == []
+
+
+def test_detector_silent_on_noise():
+    rng = np.random.default_rng(0)
+    n = 500
+    lb = 1.05 * (1 + 0.01 * rng.standard_normal(n))
+    mm = 1.6 * (1 + 0.03 * rng.standard_normal(n))
+    assert _feed(TokenGamingDetector(), 0, lb, mm) == []
+
+
+def test_detector_tracks_layers_separately():
+    detector = TokenGamingDetector(window=4)
+    healthy_lb, healthy_mm = np.linspace(1.2, 1.0, 8), np.linspace(2.0, 1.2, 8)
+    gaming_lb, gaming_mm = np.linspace(1.1, 1.0, 8), np.linspace(1.5, 3.0, 8)
+    messages = []
+    for i in range(8):  # interleaved, as the trainer logs every layer at each log step
+        for layer, lb, mm in ((0, healthy_lb, healthy_mm), (1, gaming_lb, gaming_mm)):
+            if (msg := detector.update(i, layer, lb[i], mm[i])) is not None:
+                messages.append(msg)
+    assert messages and all(m.startswith("layer 1:") for m in messages)
+
+
+def test_detector_skips_nan_and_validates():
+    detector = TokenGamingDetector(window=3)
+    assert detector.update(0, 0, float("nan"), 2.0) is None
+    assert _feed(detector, 0, [1.1, float("nan"), 1.0, 0.9], [1.5, 2.0, 2.5, 3.0]) == []
+    with pytest.raises(ValueError, match="window"):
+        TokenGamingDetector(window=1)
+
+
+# --- metrics.jsonl ----------------------------------------------------------------------------
+
+
+def _train(step, loss):
+    return {"kind": "train", "step": step, "loss": loss, "moe": []}
+
+
+def test_read_metrics_splits_sorts_and_tolerates_truncation(tmp_path):
+    lines = [
+        json.dumps(_train(10, 3.0)),
+        json.dumps({"kind": "eval", "step": 10, "val_loss": 3.1}),
+        json.dumps(_train(20, 2.5)),
+        json.dumps({"kind": "bench", "step": 20}),  # unknown kinds are ignored
+        "",
+        '{"kind": "train", "step": 30, "lo',  # crash mid-write
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(lines))
+    train, evals = read_metrics(path)
+    assert [r["step"] for r in train] == [10, 20]
+    assert [r["val_loss"] for r in evals] == [3.1]
+    assert read_metrics(tmp_path) == (train, evals)  # a run directory works too
+
+
+def test_read_metrics_resumed_run_keeps_latest_record_per_step(tmp_path):
+    first = [_train(10, 3.0), _train(20, 2.5), _train(30, 2.4)]
+    resumed = [_train(30, 2.3), _train(40, 2.2)]  # resumed from the step-20 checkpoint
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + resumed))
+    train, _ = read_metrics(tmp_path)
+    assert [(r["step"], r["loss"]) for r in train] == [(10, 3.0), (20, 2.5), (30, 2.3), (40, 2.2)]
+
+
+def test_read_metrics_skips_a_cut_line_that_a_resumed_run_appended_to(tmp_path):
+    text = json.dumps(_train(10, 3.0)) + "\n" + '{"kind": "train", "step": 20, "lo'
+    text += json.dumps(_train(20, 2.6)) + "\n" + json.dumps(_train(30, 2.4)) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(text)
+    train, _ = read_metrics(tmp_path)
+    assert [(r["step"], r["loss"]) for r in train] == [(10, 3.0), (30, 2.4)]
+
+
+def test_read_metrics_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="no metrics file"):
+        read_metrics(tmp_path)
+
+
+# --- TensorBoard ------------------------------------------------------------------------------
+
+
+def test_tensorboard_writer_is_a_noop_without_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now fails
+    messages = []
+    writer = TensorBoardWriter(tmp_path, log=messages.append)
+    assert not writer.enabled
+    assert len(messages) == 1 and "pip install tensorboard" in messages[0]
+    writer.write({"kind": "train", "step": 1, "loss": 2.0})
+    writer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tensorboard_writer_writes_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = TensorBoardWriter(tmp_path)
+    assert writer.enabled
+    moe = {"layer": 1, **_summary([8, 4, 4, 0], entropy=0.7)}
+    writer.write({"kind": "train", "step": 5, "loss": 2.5, "lr": 1e-3, "mfu": None, "moe": [moe]})
+    writer.write({"kind": "eval", "step": 5, "val_loss": 2.75})
+    writer.close()
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss/train", "loss/val", "optim/lr", "moe/1/max_mean", "moe/1/entropy"} <= tags
+    assert "perf/mfu" not in tags and "moe/1/drop_frac" not in tags  # None values are skipped
+    (point,) = events.Scalars("moe/1/max_mean")
+    assert point.step == 5 and point.value == pytest.approx(2.0)
+    assert events.Scalars("loss/val")[0].value == pytest.approx(2.75)
