@@ -1,0 +1,356 @@
+"""Files: a moetrain checkpoint <-> a Hugging Face OLMoE directory.
+
+`export_checkpoint` reads the "model" part of a checkpoint with DCP into plain world-size-1
+tensors (checkpoints hold global names and shapes, so any parallel layout loads), maps it with
+`hf.to_hf_state_dict` and writes config.json, generation_config.json, safetensors (one
+`model.safetensors`, or `model-0000k-of-0000n.safetensors` shards plus
+`model.safetensors.index.json` above `max_shard_bytes`) and the run's tokenizer files when it used
+a Hugging Face tokenizer. The output is built in a sibling `.tmp` directory and renamed into place,
+so a crash never leaves a half-written export. `import_hf` is the reverse: it writes a step-0
+checkpoint with only the "model" part, which `load_model_weights` loads into a freshly built model
+(training's `--init-from`). Weights are read from safetensors only: nothing here unpickles a
+weights file. (DCP's own `.metadata` of a moetrain checkpoint is a pickle, trusted exactly as
+resuming a run trusts it.) `safetensors` (and `tokenizers` for tokenizer files) are optional
+dependencies (`pip install moetrain[hf]`); their absence is a ValueError saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from moetrain.checkpoint import manager
+from moetrain.config import RunConfig
+from moetrain.convert.hf import (
+    check_expressible,
+    from_hf_state_dict,
+    hf_config_dict,
+    run_config_from_hf,
+    to_hf_state_dict,
+)
+from moetrain.model.transformer import Transformer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- moetrain checkpoints ----------------------------------------------------------------------
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory (step-N/), or the newest complete one under `path/checkpoints/`
+    (a run or import directory) or under `path` (a checkpoints root)."""
+    path = Path(path)
+    if (path / manager.MANIFEST).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        found = manager.latest(root, check_hashes=False)
+        if found is not None:
+            return found
+    raise ValueError(
+        f"{path} is not a moetrain checkpoint: no {manager.MANIFEST} in it, and no complete "
+        "step-N/ checkpoint under it or under its checkpoints/ directory"
+    )
+
+
+def stored_model_tensors(checkpoint: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every tensor of the checkpoint's "model" part, by name."""
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    return {
+        fqn.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
+        for fqn, meta in metadata.state_dict_metadata.items()
+        if fqn.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def load_model_weights(
+    checkpoint: str | Path, model_state: Mapping[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Load only the "model" part of a checkpoint (an imported one, or any training checkpoint)
+    in place into `model_state` (the same `model.state_dict()` the trainer saves); optimizer and
+    RNG state are not touched. Returns the checkpoint's trainer state. Names that differ between
+    the checkpoint and the model are a ValueError listing them."""
+    path = resolve_checkpoint(checkpoint)
+    manager.verify(path)
+    stored = stored_model_tensors(path)
+    missing = sorted(set(model_state) - set(stored))
+    unexpected = sorted(set(stored) - set(model_state))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not fit this model (is the config the one it was saved "
+            f"with?): {_names('missing in the checkpoint', missing)}"
+            f"{'; ' if missing and unexpected else ''}{_names('not in the model', unexpected)}"
+        )
+    return manager.load(path, {"model": dict(model_state)}, check_hashes=False)
+
+
+# ---- export ------------------------------------------------------------------------------------
+def export_checkpoint(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    max_shard_bytes: float = 5e9,
+    *,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+) -> Path:
+    """Write an OlmoeForCausalLM directory for a moetrain checkpoint; returns `out_dir`.
+
+    `checkpoint_dir`: a step-N/ directory, a run directory or a checkpoints root (newest
+    checkpoint). `dtype` ("float32", "bfloat16", "float16"): cast the weights; None keeps the
+    stored dtype, so the export is bit-exact. `tokenizer`: a tokenizer.json (or its directory)
+    to use instead of the run's `data.tokenizer`, e.g. when the run's path no longer exists.
+    """
+    save_file = _safetensors_save_file()
+    path = resolve_checkpoint(checkpoint_dir)
+    out = _fresh_output_dir(out_dir)
+    manager.verify(path)
+    config = RunConfig.load_yaml(path / "config.yaml")
+    check_expressible(config)
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype ({dtype!r}) must be one of {', '.join(_DTYPES)} or None")
+    tokenizer_spec = tokenizer or config.data.tokenizer
+    tokenizer_files, eos_token_id = _tokenizer_files(tokenizer_spec, config)
+
+    model_sd = _read_model_state(path, config)
+    hf_sd = to_hf_state_dict(model_sd, config)
+    cast = _DTYPES[dtype] if dtype is not None else None
+    stored_dtype = model_sd["embed.weight"].dtype
+
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    _write_safetensors(hf_sd, tmp, max_shard_bytes, cast, save_file)
+    dtype_name = _dtype_name(cast or stored_dtype)
+    hf_config = hf_config_dict(config, dtype=dtype_name, eos_token_id=eos_token_id)
+    _write_json(tmp / "config.json", hf_config)
+    eos = hf_config["eos_token_id"]
+    generation = {"eos_token_id": eos} if eos is not None else {}
+    _write_json(tmp / "generation_config.json", generation)
+    for name, data in tokenizer_files.items():
+        (tmp / name).write_bytes(data)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(tmp, out)
+    return out
+
+
+def _read_model_state(path: Path, config: RunConfig) -> dict[str, torch.Tensor]:
+    """Empty tensors shaped like a world-size-1 model (built on meta: no init cost) in the
+    checkpoint's stored dtypes, filled by DCP from whatever layout the checkpoint was saved in."""
+    with torch.device("meta"):
+        expected = Transformer(config).state_dict()
+    stored = stored_model_tensors(path)
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match its config.yaml: "
+            f"{_names('missing', missing)}{'; ' if missing and unexpected else ''}"
+            f"{_names('unexpected', unexpected)}"
+        )
+    model_sd = {}
+    for name, meta in expected.items():
+        shape, stored_dtype = stored[name]
+        if shape != tuple(meta.shape):
+            raise ValueError(
+                f"checkpoint {path}: {name} has shape {shape}, its config.yaml implies "
+                f"{tuple(meta.shape)}"
+            )
+        model_sd[name] = torch.empty(shape, dtype=stored_dtype)
+    manager.load(path, {"model": model_sd}, check_hashes=False)  # verified by the caller
+    return model_sd
+
+
+def _write_safetensors(
+    hf_sd: Mapping[str, torch.Tensor],
+    out: Path,
+    max_shard_bytes: float,
+    cast: torch.dtype | None,
+    save_file: Any,
+) -> None:
+    """Greedy shards in name order (layer by layer); a tensor larger than the limit gets its own
+    shard. Tensors are made contiguous one shard at a time, so peak memory is one shard over the
+    model."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes ({max_shard_bytes}) must be > 0")
+    shards: list[list[str]] = [[]]
+    shard_bytes = [0]
+    for name, t in hf_sd.items():
+        nbytes = t.numel() * (cast or t.dtype).itemsize
+        if shards[-1] and shard_bytes[-1] + nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes.append(0)
+        shards[-1].append(name)
+        shard_bytes[-1] += nbytes
+
+    def materialize(names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: hf_sd[n].to(dtype=cast or hf_sd[n].dtype).contiguous() for n in names}
+
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(materialize(shards[0]), str(out / SINGLE_FILE), metadata=metadata)
+        return
+    weight_map = {}
+    for k, names in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(materialize(names), str(out / file), metadata=metadata)
+        weight_map.update(dict.fromkeys(names, file))
+    _write_json(
+        out / INDEX_FILE, {"metadata": {"total_size": sum(shard_bytes)}, "weight_map": weight_map}
+    )
+
+
+def _tokenizer_files(spec: str, config: RunConfig) -> tuple[dict[str, bytes], int | None]:
+    """The files to ship with an export and the end-of-sequence id. A tokenizer_config.json is
+    written when the run's tokenizer has none, so `AutoTokenizer.from_pretrained` works."""
+    if spec == "byte":
+        return {}, None
+    from moetrain.data.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(spec)
+    except ValueError as exc:
+        raise ValueError(
+            f"cannot export the run's tokenizer ({exc}); pass the tokenizer.json to use "
+            "(--tokenizer PATH)"
+        ) from None
+    if tok.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"tokenizer {spec} has {tok.vocab_size} ids, more than model.vocab_size "
+            f"({config.model.vocab_size})"
+        )
+    source = tok.path.parent
+    files = {
+        name: (source / name).read_bytes() for name in TOKENIZER_FILES if (source / name).is_file()
+    }
+    files["tokenizer.json"] = tok.path.read_bytes()  # the file itself may have another name
+    if "tokenizer_config.json" not in files:
+        from tokenizers import Tokenizer
+
+        eos_token = Tokenizer.from_file(str(tok.path)).id_to_token(tok.eos_id)
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": eos_token,
+            "model_max_length": config.train.seq_len,
+        }
+        files["tokenizer_config.json"] = (json.dumps(tokenizer_config, indent=2) + "\n").encode()
+    return files, tok.eos_id
+
+
+# ---- import ------------------------------------------------------------------------------------
+def import_hf(hf_dir: str | Path, out_dir: str | Path, *, name: str | None = None) -> Path:
+    """Write a step-0 moetrain checkpoint (weights only) of an OlmoeForCausalLM directory under
+    `out_dir/checkpoints/`; returns the checkpoint path. Tokenizer files, if any, are copied to
+    `out_dir/tokenizer/` and the checkpoint's config points `data.tokenizer` at them."""
+    load_file = _safetensors_load_file()
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    root = out / "checkpoints"
+    if manager.list_complete(root):
+        raise ValueError(f"{root} already holds checkpoints; import into a new directory")
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
+    config = run_config_from_hf(hf_config, name=name or hf_dir.resolve().name)
+
+    hf_sd: dict[str, torch.Tensor] = {}
+    for file in _weight_files(hf_dir):
+        hf_sd.update(load_file(str(file)))
+    model_sd = from_hf_state_dict(hf_sd, config)
+    del hf_sd
+
+    if (hf_dir / "tokenizer.json").is_file():
+        tokenizer_dir = out / "tokenizer"
+        tokenizer_dir.mkdir(parents=True, exist_ok=True)
+        for file_name in TOKENIZER_FILES:
+            if (hf_dir / file_name).is_file():
+                shutil.copyfile(hf_dir / file_name, tokenizer_dir / file_name)
+        tokenizer_path = str((tokenizer_dir / "tokenizer.json").resolve())
+        config = replace(config, data=replace(config.data, tokenizer=tokenizer_path))
+
+    return manager.save(
+        root,
+        step=0,
+        tensor_state={"model": model_sd},
+        trainer_state={"step": 0, "imported_from": str(hf_dir.resolve())},
+        config_yaml=yaml.safe_dump(config.to_dict(), sort_keys=False),
+    )
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index: {exc}") from None
+        files = [hf_dir / f for f in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} names files that are missing: {', '.join(absent)}")
+        return files
+    if (hf_dir / SINGLE_FILE).is_file():
+        return [hf_dir / SINGLE_FILE]
+    raise ValueError(
+        f"{hf_dir} has no {SINGLE_FILE} or {INDEX_FILE}; only safetensors weights are read "
+        "(pickled pytorch_model.bin files are not: save the model with safe_serialization)"
+    )
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _safetensors_save_file() -> Any:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ValueError(_MISSING_SAFETENSORS) from None
+    return save_file
+
+
+def _safetensors_load_file() -> Any:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ValueError(_MISSING_SAFETENSORS) from None
+    return load_file
+
+
+_MISSING_SAFETENSORS = (
+    "Hugging Face export/import needs the optional `safetensors` package: "
+    "pip install 'moetrain[hf]' (or pip install safetensors)"
+)
+
+
+def _fresh_output_dir(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output directory {out} exists and is not empty; choose a new one")
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _names(label: str, names: list[str], limit: int = 8) -> str:
+    if not names:
+        return ""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{label}: {', '.join(names[:limit])}{more}"

@@ -1,0 +1,327 @@
+"""Hugging Face interop: export -> transformers' OlmoeForCausalLM gives the same logits; import and
+re-export are exact; settings OLMoE cannot express are errors that name the field."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import pytest
+import torch
+import yaml
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from moetrain.checkpoint import manager  # noqa: E402
+from moetrain.config import RunConfig  # noqa: E402
+from moetrain.convert import hf  # noqa: E402
+from moetrain.convert.cli import add_convert_parsers, parse_size  # noqa: E402
+from moetrain.convert.io import (  # noqa: E402
+    INDEX_FILE,
+    SINGLE_FILE,
+    export_checkpoint,
+    import_hf,
+    load_model_weights,
+)
+from moetrain.model.transformer import build_model  # noqa: E402
+from moetrain.presets import tiny  # noqa: E402
+
+
+def random_model(config: RunConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A tiny model with every tensor random, norms included (all-ones norms would hide swaps)."""
+    model = build_model(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=generator))
+            elif name.endswith("router.gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=generator))  # decisive routing
+    return model.to(dtype).eval()
+
+
+def save_checkpoint(root, config: RunConfig, model, step: int = 3):
+    return manager.save(
+        root / "run" / "checkpoints",
+        step,
+        {"model": model.state_dict()},
+        {"step": step},
+        yaml.safe_dump(config.to_dict(), sort_keys=False),
+    )
+
+
+def read_safetensors(hf_dir) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(safetensors_torch.load_file(str(file)))
+    return tensors
+
+
+VARIANTS = {
+    "olmoe": [],
+    "gqa-tied-renorm-theta": [
+        "model.num_kv_heads=2",
+        "model.tie_embeddings=true",
+        "moe.renormalize=true",
+        "model.rope_theta=500",
+        "model.norm_eps=1e-3",
+    ],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, variant, caplog):
+    config = tiny().with_overrides(VARIANTS[variant])
+    model = random_model(config)
+    checkpoint = save_checkpoint(tmp_path, config, model)
+    sharded = variant != "olmoe"
+    out = export_checkpoint(checkpoint, tmp_path / "hf", max_shard_bytes=60_000 if sharded else 5e9)
+    assert (out / INDEX_FILE).is_file() == sharded
+    assert (out / SINGLE_FILE).is_file() != sharded
+    if sharded:
+        index = json.loads((out / INDEX_FILE).read_text())
+        assert len(set(index["weight_map"].values())) > 1
+        assert index["metadata"]["total_size"] == sum(p.nbytes for p in model.state_dict().values())
+
+    hf_logger = logging.getLogger("transformers")  # does not propagate to caplog's root handler
+    hf_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="transformers"):
+            hf_model, info = transformers.OlmoeForCausalLM.from_pretrained(
+                out, output_loading_info=True, attn_implementation="eager"
+            )
+    finally:
+        hf_logger.removeHandler(caplog.handler)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"] and not info["error_msgs"], info
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert hf_model.config.tie_word_embeddings == config.model.tie_embeddings
+    assert hf_model.config.eos_token_id == 256  # the byte tokenizer's end of document
+
+    tokens = torch.randint(
+        0, config.model.vocab_size, (3, 29), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        ours = model.logits(model(tokens))
+        theirs = hf_model.eval()(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+    # The mapping also speaks the installed transformers' in-memory layout (fused 3-D experts in
+    # transformers 5, per-expert modules in 4.x), detected from the model's own names.
+    hf_sd = hf_model.state_dict()
+    if config.model.tie_embeddings:
+        hf_sd.pop("lm_head.weight")
+    layout = "fused" if "model.layers.0.mlp.experts.gate_up_proj" in hf_sd else "per_expert"
+    mapped = hf.to_hf_state_dict(model.state_dict(), config, expert_layout=layout)
+    assert mapped.keys() == hf_sd.keys()
+    for name, t in mapped.items():
+        assert torch.equal(t, hf_sd[name]), name
+    back = hf.from_hf_state_dict(hf_model.state_dict(), config)
+    for name, t in model.state_dict().items():
+        assert torch.equal(back[name], t), name
+
+
+def test_import_is_exact_and_reexport_is_byte_identical(tmp_path):
+    config = tiny().with_overrides(["model.num_kv_heads=2", "moe.renormalize=true"])
+    model = random_model(config, seed=2)
+    first = export_checkpoint(save_checkpoint(tmp_path, config, model), tmp_path / "hf1")
+
+    imported = import_hf(first, tmp_path / "imported")
+    assert imported == tmp_path / "imported" / "checkpoints" / "step-0"
+    assert json.loads((imported / manager.TRAINER_STATE).read_text())["step"] == 0
+    imported_config = RunConfig.load_yaml(imported / "config.yaml")
+    assert imported_config.model == config.model
+    assert imported_config.moe == config.moe
+    assert imported_config.train.seq_len == config.train.seq_len
+
+    fresh = build_model(imported_config)
+    fresh.init_weights(seed=123)  # different weights, overwritten by the load
+    load_model_weights(tmp_path / "imported", fresh.state_dict())  # a run dir resolves
+    for name, t in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name
+
+    second = export_checkpoint(imported, tmp_path / "hf2")
+    a, b = read_safetensors(first), read_safetensors(second)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert json.loads((first / "config.json").read_text()) == json.loads(
+        (second / "config.json").read_text()
+    )
+
+
+def test_bf16_checkpoint_keeps_its_dtype_unless_cast(tmp_path):
+    config = tiny()
+    model = random_model(config, dtype=torch.bfloat16)
+    checkpoint = save_checkpoint(tmp_path, config, model)
+    kept = export_checkpoint(checkpoint, tmp_path / "bf16")
+    assert json.loads((kept / "config.json").read_text())["dtype"] == "bfloat16"
+    tensors = read_safetensors(kept)
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert torch.equal(tensors["model.embed_tokens.weight"], model.embed.weight)
+    cast = export_checkpoint(checkpoint, tmp_path / "fp32", dtype="float32")
+    assert json.loads((cast / "config.json").read_text())["dtype"] == "float32"
+    assert {t.dtype for t in read_safetensors(cast).values()} == {torch.float32}
+
+    restored = hf.from_hf_state_dict(tensors, config)
+    for name, t in model.state_dict().items():
+        assert restored[name].dtype == torch.bfloat16 and torch.equal(restored[name], t), name
+
+    # An imported bf16 checkpoint initializes an fp32 model (DCP casts on load).
+    import_hf(kept, tmp_path / "imported")
+    fp32_model = build_model(config)
+    load_model_weights(tmp_path / "imported", fp32_model.state_dict())
+    for name, t in model.state_dict().items():
+        assert torch.equal(fp32_model.state_dict()[name], t.float()), name
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("model.num_dense_layers=1", "model.num_dense_layers"),
+        ("moe.num_shared_experts=1", "moe.num_shared_experts"),
+        ("moe.score_func=sigmoid", "moe.score_func"),
+        ("moe.routing=random", "moe.routing"),
+        ("moe.bias_update_rate=0.001", "moe.bias_update_rate"),
+        ("model.qk_norm=false", "model.qk_norm"),
+        ("model.head_dim=32", "model.head_dim"),
+    ],
+)
+def test_inexpressible_settings_name_the_field(override, field):
+    config = tiny().with_overrides([override])
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        hf.check_expressible(config)
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        hf.hf_config_dict(config)
+
+
+def test_export_refuses_inexpressible_checkpoint_and_used_output_dir(tmp_path):
+    config = tiny().with_overrides(["model.num_dense_layers=1", "moe.score_func=sigmoid"])
+    checkpoint = save_checkpoint(tmp_path, config, build_model(config))
+    with pytest.raises(ValueError, match=r"model\.num_dense_layers.*moe\.score_func"):
+        export_checkpoint(checkpoint, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+    config = tiny()
+    checkpoint = save_checkpoint(tmp_path / "ok", config, build_model(config))
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "file").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        export_checkpoint(checkpoint, tmp_path / "used")
+    with pytest.raises(ValueError, match="not a moetrain checkpoint"):
+        export_checkpoint(tmp_path / "nowhere", tmp_path / "hf")
+
+
+def test_config_round_trip_and_unsupported_hf_options():
+    config = tiny().with_overrides(
+        ["model.num_kv_heads=2", "model.tie_embeddings=true", "model.rope_theta=500000"]
+    )
+    back = hf.run_config_from_hf(hf.hf_config_dict(config))
+    assert back.model == config.model and back.moe.renormalize == config.moe.renormalize
+    # transformers 4.x writes rope_theta at the top level
+    legacy = hf.hf_config_dict(config)
+    del legacy["rope_parameters"]
+    assert hf.run_config_from_hf(legacy).model.rope_theta == 500000
+
+    base = hf.hf_config_dict(tiny())
+    for key, value in [
+        ("model_type", "llama"),
+        ("hidden_act", "gelu"),
+        ("attention_bias", True),
+        ("clip_qkv", 8.0),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            hf.run_config_from_hf({**base, key: value})
+
+
+def test_state_dict_errors_list_names_and_shapes_match_the_model():
+    for overrides in ([], ["model.num_kv_heads=1", "model.tie_embeddings=true"]):
+        config = tiny().with_overrides(overrides)
+        built = build_model(config, "meta", init=False).state_dict()
+        assert {k: tuple(v.shape) for k, v in built.items()} == hf.moetrain_shapes(config)
+
+    config = tiny()
+    hf_sd = hf.to_hf_state_dict(random_model(config).state_dict(), config)
+    broken = dict(hf_sd)
+    del broken["model.layers.1.mlp.experts.3.up_proj.weight"]
+    broken["model.layers.0.mlp.shared_expert.weight"] = torch.zeros(1)
+    with pytest.raises(
+        ValueError,
+        match=r"missing model\.layers\.1\.mlp\.experts\.3\.up_proj.*unexpected model\.layers\.0\.mlp\.shared_expert",
+    ):
+        hf.from_hf_state_dict(broken, config)
+    wrong = dict(hf_sd, **{"model.norm.weight": torch.ones(7)})
+    with pytest.raises(ValueError, match=r"norm\.weight has shape \(7,\)"):
+        hf.from_hf_state_dict(wrong, config)
+
+
+def test_tokenizer_files_travel_both_ways(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok_path = tmp_path / "tok" / "my-tokenizer.json"
+    tok_path.parent.mkdir()
+    tok.save(str(tok_path))
+
+    config = tiny().with_overrides([f"data.tokenizer={tok_path}"])
+    out = export_checkpoint(save_checkpoint(tmp_path, config, build_model(config)), tmp_path / "hf")
+    eos = tok.token_to_id("<|endoftext|>")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    text = "the lazy fox"
+    assert auto(text, add_special_tokens=False)["input_ids"] == tok.encode(text).ids
+    assert auto.eos_token_id == eos
+
+    imported = import_hf(out, tmp_path / "imported")
+    tokenizer_path = RunConfig.load_yaml(imported / "config.yaml").data.tokenizer
+    assert tokenizer_path == str((tmp_path / "imported" / "tokenizer" / "tokenizer.json").resolve())
+    assert (tmp_path / "imported" / "tokenizer" / "tokenizer_config.json").is_file()
+
+
+def test_cli_export_and_import(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="moetrain")
+    add_convert_parsers(parser.add_subparsers(dest="command", required=True))
+    config = tiny()
+    save_checkpoint(tmp_path, config, random_model(config))
+
+    args = parser.parse_args(
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "hf"),
+            "--max-shard-size",
+            "100KB",
+        ]
+    )
+    assert args.max_shard_size == 100_000
+    assert args.func(args) == 0
+    assert (tmp_path / "hf" / INDEX_FILE).is_file()
+
+    args = parser.parse_args(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "imp")])
+    assert args.func(args) == 0
+    assert "--init-from" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        args.func(args)
+    with pytest.raises(ValueError, match="only safetensors"):
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "config.json").write_text(json.dumps(hf.hf_config_dict(config)))
+        import_hf(tmp_path / "bin", tmp_path / "imp-bin")
+
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("1000") == 1000
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("5 parsecs")
