@@ -1,0 +1,1 @@
+"""Kernels with plain-torch reference twins: FP8 / MXFP8 quantization (`quant`, `quant_triton`)."""

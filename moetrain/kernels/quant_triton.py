@@ -1,0 +1,335 @@
+"""Triton FP8 quantization kernels, bit-identical to the torch references in `quant`.
+
+Each kernel reads its input once and writes the FP8 elements and the scales once: amax, scale
+and cast are fused per row block (row-scaled along the last dim, MXFP8 blocks of 32). Scaling
+along any other dim (e.g. per-column scales of a (e, K, N) weight, dim=-2) runs two kernels: a
+split amax with an integer atomic max (exact and order-independent, since non-negative floats
+order like their bit patterns), then the cast.
+
+Bit-exactness with the reference rests on three choices: every division is IEEE round-to-nearest
+(`tl.math.div_rn`; Triton's `/` on fp32 is approximate), the per-element op is a single multiply,
+and the fp32 -> e4m3 conversion rounds to nearest even. That conversion has two implementations,
+chosen by `software_cast`: the GPU's `cvt.rn.satfinite` through `.to(tl.float8e4nv)` (default on
+sm89+), or integer bit arithmetic that is exact everywhere (default under `TRITON_INTERPRET=1`,
+whose own fp8 cast does not round to nearest even, and on GPUs without an fp8 cast). The
+compiled kernels keep subnormal inputs (their PTX has no flush-to-zero); the interpreter flushes
+bf16 subnormals, so an all-tiny bf16 block can differ there.
+
+Triton is imported guarded: without it this module still imports, `triton_available()` is False
+and the entry points raise. To run the kernels on CPU tensors, set TRITON_INTERPRET=1 before
+Triton is first imported (Triton fixes the mode of its own library at import).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moetrain.kernels.quant import (
+    AMAX_EPS,
+    E4M3_EMAX,
+    E8M0_MAX_FINITE,
+    E8M0_NAN,
+    FP8_E4M3_MAX,
+    MX_BLOCK,
+)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package works without Triton; only these kernels need it
+    triton = None
+    tl = None
+
+
+# Kernels may only read globals that are constexpr.
+_constexpr = tl.constexpr if triton is not None else (lambda value: value)
+_EPS = _constexpr(AMAX_EPS)
+_FP8_MAX = _constexpr(FP8_E4M3_MAX)
+_ELEM_EMAX = _constexpr(E4M3_EMAX)
+_SCALE_MAX = _constexpr(E8M0_MAX_FINITE)
+_SCALE_NAN = _constexpr(E8M0_NAN)
+
+
+def _jit(fn):
+    """triton.jit, or the plain function without Triton so that this module still imports."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --- kernels -----------------------------------------------------------------------------------
+
+
+@_jit
+def _finite_abs(x):
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # NaN and +-inf are left out of amax
+
+
+@_jit
+def _e4m3_code(c):
+    """fp32 already clamped to +-448 -> e4m3fn code (int32), round to nearest even, integer ops only."""
+    bits = c.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    e = a >> 23
+    # normal e4m3 (|c| >= 2^-6, fp32 exponent field >= 121): keep 3 of 23 mantissa bits
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960  # 960 = (127 - 7) << 3 rebiases
+    # subnormal e4m3: round the 24-bit significand to a multiple of 2^-9
+    shift = tl.minimum(tl.maximum(141 - e, 21), 31)
+    mant = (a & 0x7FFFFF) | 0x800000
+    sub = (mant + ((1 << (shift - 1)) - 1) + ((mant >> shift) & 1)) >> shift
+    code = tl.where(e >= 121, normal, sub)
+    return code | tl.where(bits < 0, 0x80, 0)
+
+
+@_jit
+def _store_e4m3(q_ptr, offsets, v, mask, SOFTWARE_CAST: tl.constexpr):
+    """Saturate to +-448 and store as e4m3; NaN becomes 0x7F. q_ptr is uint8 when SOFTWARE_CAST."""
+    c = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
+    if SOFTWARE_CAST:
+        code = tl.where(v != v, 0x7F, _e4m3_code(c))
+        tl.store(q_ptr + offsets, code.to(tl.uint8), mask=mask)
+    else:
+        c = tl.where(v != v, float("nan"), c)  # min/max drop NaN on the GPU; put it back
+        tl.store(q_ptr + offsets, c.to(tl.float8e4nv), mask=mask)
+
+
+@_jit
+def _scales_from_amax(amax):
+    """(multiplier 448 / amax, stored scale amax / 448), both correctly rounded."""
+    amax = tl.maximum(amax, _EPS)
+    fp8_max = tl.full(amax.shape, _FP8_MAX, tl.float32)
+    return tl.math.div_rn(fp8_max, amax), tl.math.div_rn(amax, fp8_max)
+
+
+@_jit
+def _rowwise_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    R,
+    K,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K_BLOCKS: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+):
+    """One scale per row of a contiguous (R, K) matrix. With one K block the row is read once;
+    longer rows are read twice (amax, then cast), the second time mostly from L2."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    row_start = rows.to(tl.int64) * K
+    cols = tl.arange(0, BLOCK_K)
+    if NUM_K_BLOCKS == 1:
+        mask = row_mask[:, None] & (cols[None, :] < K)
+        offsets = row_start[:, None] + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        inv, scale = _scales_from_amax(tl.max(_finite_abs(x), axis=1))
+        _store_e4m3(q_ptr, offsets, x * inv[:, None], mask, SOFTWARE_CAST)
+    else:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for kb in range(NUM_K_BLOCKS):  # constexpr trip count (runtime bounds trip the interpreter)
+            k = kb * BLOCK_K + cols
+            mask = row_mask[:, None] & (k[None, :] < K)
+            offsets = row_start[:, None] + k[None, :]
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(_finite_abs(x), axis=1))
+        inv, scale = _scales_from_amax(amax)
+        for kb in range(NUM_K_BLOCKS):
+            k = kb * BLOCK_K + cols
+            mask = row_mask[:, None] & (k[None, :] < K)
+            offsets = row_start[:, None] + k[None, :]
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            _store_e4m3(q_ptr, offsets, x * inv[:, None], mask, SOFTWARE_CAST)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
+
+
+@_jit
+def _column_amax_kernel(
+    x_ptr,
+    amax_bits_ptr,
+    M,
+    N,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Partial amax over ROWS_PER_PROGRAM rows of a contiguous (B, M, N) tensor, per column."""
+    batch = tl.program_id(0)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    base = batch.to(tl.int64) * M * N
+    row0 = tl.program_id(1) * ROWS_PER_PROGRAM
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+        rows = row0 + i + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        offsets = base + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(_finite_abs(x), axis=0))
+    bits = amax.to(tl.int32, bitcast=True)
+    tl.atomic_max(amax_bits_ptr + batch * N + cols, bits, mask=col_mask)
+
+
+@_jit
+def _column_cast_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    amax_bits_ptr,
+    M,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+):
+    batch = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    amax_bits = tl.load(amax_bits_ptr + batch * N + cols, mask=col_mask, other=0)
+    inv, scale = _scales_from_amax(amax_bits.to(tl.float32, bitcast=True))
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    offsets = batch.to(tl.int64) * M * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    _store_e4m3(q_ptr, offsets, x * inv[None, :], mask, SOFTWARE_CAST)
+    tl.store(scale_ptr + batch * N + cols, scale, mask=col_mask & (pid_m == 0))
+
+
+@_jit
+def _mxfp8_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    num_blocks,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+):
+    """MXFP8 over a contiguous tensor seen as (num_blocks, BLOCK): one E8M0 scale per row."""
+    blocks = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    block_mask = blocks < num_blocks
+    offsets = blocks.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = block_mask[:, None]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    is_nan = x != x
+    has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.where(is_nan, 0.0, tl.abs(x)), axis=1)  # GPU max ignores NaN: tracked apart
+    nonfinite = has_nan | (amax == float("inf"))
+    exponent_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale = tl.minimum(tl.maximum(exponent_field - _ELEM_EMAX, 0), _SCALE_MAX)
+    inv = ((-scale + _SCALE_MAX) << 23).to(tl.float32, bitcast=True)  # 1 / 2^X = 2^(127 - s)
+    v = tl.where(nonfinite[:, None], float("nan"), x * inv[:, None])
+    _store_e4m3(q_ptr, offsets, v, mask, SOFTWARE_CAST)
+    scale = tl.where(nonfinite, _SCALE_NAN, scale)
+    tl.store(scale_ptr + blocks, scale.to(tl.uint8), mask=block_mask)
+
+
+# --- entry points ------------------------------------------------------------------------------
+
+
+def _check_device(x: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError("Triton is not installed: use moetrain.kernels.quant instead")
+    if not x.is_cuda and not _interpreting():
+        raise ValueError(
+            f"Triton quantization needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}"
+        )
+
+
+def _default_software_cast(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return True
+    return torch.cuda.get_device_capability(x.device) < (8, 9)
+
+
+def _q_arg(q: torch.Tensor, software_cast: bool) -> torch.Tensor:
+    return q.view(torch.uint8) if software_cast else q
+
+
+def quantize_fp8_rowwise_triton(
+    x: torch.Tensor, dim: int = -1, *, software_cast: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `quant.quantize_fp8_rowwise`: same outputs, bit for bit, for any `dim`.
+
+    The last dim runs one fused kernel; any other dim (dim=0 of a matrix, dim=-2 of a (e, K, N)
+    weight for per-column scales) runs a split amax and a cast kernel. Non-contiguous inputs are
+    copied to contiguous first.
+    """
+    _check_device(x)
+    if software_cast is None:
+        software_cast = _default_software_cast(x)
+    dim = dim % x.dim()
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_shape = x.shape[:dim] + x.shape[dim + 1 :]
+    scale = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return q, scale
+    if dim == x.dim() - 1:
+        k = x.shape[-1]
+        r = x.numel() // k
+        block_k = triton.next_power_of_2(k) if k <= 8192 else 4096
+        block_r = max(1, min(64, 8192 // block_k))
+        grid = (triton.cdiv(r, block_r),)
+        _rowwise_kernel[grid](
+            x, _q_arg(q, software_cast), scale, r, k,
+            BLOCK_R=block_r, BLOCK_K=block_k, NUM_K_BLOCKS=triton.cdiv(k, block_k),
+            SOFTWARE_CAST=software_cast, num_warps=8 if block_r * block_k >= 4096 else 4,
+        )  # fmt: skip
+        return q, scale
+    b = x.shape[:dim].numel()
+    m = x.shape[dim]
+    n = x.shape[dim + 1 :].numel()
+    amax_bits = torch.zeros((b, n), dtype=torch.int32, device=x.device)
+    block_n = min(128, triton.next_power_of_2(n))
+    block_m = max(1, min(64, 4096 // block_n))
+    rows_per_program = max(block_m, min(1024, triton.next_power_of_2(m)))
+    grid = (b, triton.cdiv(m, rows_per_program), triton.cdiv(n, block_n))
+    _column_amax_kernel[grid](
+        x, amax_bits, m, n, ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n
+    )
+    grid = (b, triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _column_cast_kernel[grid](
+        x, _q_arg(q, software_cast), scale, amax_bits, m, n,
+        BLOCK_M=block_m, BLOCK_N=block_n, SOFTWARE_CAST=software_cast,
+    )  # fmt: skip
+    return q, scale
+
+
+def quantize_mxfp8_triton(
+    x: torch.Tensor, block: int = MX_BLOCK, *, software_cast: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `quant.quantize_mxfp8` (E8M0 scales as uint8), bit for bit."""
+    _check_device(x)
+    if software_cast is None:
+        software_cast = _default_software_cast(x)
+    k = x.shape[-1]
+    if k % block != 0:
+        raise ValueError(
+            f"quantize_mxfp8: last dim {k} must be a multiple of the block size {block}"
+        )
+    if block & (block - 1):
+        raise ValueError(f"quantize_mxfp8_triton: block size {block} must be a power of two")
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-1], k // block), dtype=torch.uint8, device=x.device)
+    num_blocks = x.numel() // block
+    if num_blocks == 0:
+        return q, scale
+    blocks_per_program = max(1, 4096 // block)
+    grid = (triton.cdiv(num_blocks, blocks_per_program),)
+    _mxfp8_kernel[grid](
+        x, _q_arg(q, software_cast), scale, num_blocks,
+        BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK=block, SOFTWARE_CAST=software_cast,
+    )  # fmt: skip
+    return q, scale

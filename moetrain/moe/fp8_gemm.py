@@ -1,0 +1,401 @@
+"""Grouped-GEMM backends for the experts: BF16, FP8 row-scaled (Hopper), MXFP8 (emulation).
+
+Every backend computes `y_NF = grouped_mm(x_ND, w_eDF, offs_e)`: rows of x are grouped by expert,
+`offs_e` (int32, on device) holds cumulative END offsets, and rows offs[i-1]:offs[i] are multiplied
+by w[i]. Rows past offs[-1] are padding; their output is unspecified. A backend is a callable
+object with a `name`, chosen once by `make_grouped_gemm(recipe, device)`.
+Letters: N rows, D input (reduction) dim, F output dim, e local experts.
+
+FP8 row-scaled products go through `torch._scaled_grouped_mm`. Its constraints, read from the
+torch 2.11 sources (GroupedBlas.cpp, ScaledGroupMM.cu, GroupMMCommon.cuh, _meta_registrations.py):
+- CUDA devices of compute capability 9.x or 10.x only (`_scaled_mm_allowed_device(sm90, sm100)`);
+  sm89 and sm120 are refused, as is ROCm here (it wants e4m3fnuz).
+- mat_a: float8_e4m3fn, row-major (stride(-1) == 1); mat_b: float8_e4m3fn, column-major in its
+  last two dims, i.e. `q.mT` of a contiguous (e, N, K) tensor. K and N must be multiples of 16
+  (16-byte TMA alignment), so D and F must be too.
+- offs: 1-D int32 cumulative end offsets, required when an operand is 2-D; fewer than 1024 groups.
+- Scales are float32. 2-D x 3-D: scale_a (M,) contiguous, one per row of mat_a; scale_b (e, N)
+  with stride(-1) == 1, one per output column per group. 2-D x 2-D (jagged K): scale_a (e*M,),
+  scale_b (e*N,), and a device-side assert requires every group but the last to be non-empty
+  with a size that is a multiple of 16 (the jagged dim is the contiguous one of both operands).
+- out_dtype must be bf16; bias and scale_result are unsupported; use_fast_accum is allowed.
+Group sizes in the 2-D x 3-D case (forward and input gradient) are unconstrained: groups start
+at row offsets, and a row of K fp8 bytes keeps 16-byte alignment; empty groups are fine. The
+weight gradient is the 2-D x 2-D case, whose group sizes come from the router (any size, empty
+experts included), so FP8RowwiseGroupedGemm computes it in BF16 with `torch._grouped_mm`.
+
+MXFP8 block-scaled grouped products (E8M0 scales, swizzled layout) are Blackwell-only in torch's
+libraries, so the MXFP8 recipe is an emulation (quantize, dequantize, high-precision math) on
+every device: it measures the recipe's accuracy, never its speed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from moetrain.kernels import quant
+from moetrain.moe.experts import _GROUPED_MM_DTYPES, grouped_mm
+
+
+class GroupedGemm(Protocol):
+    name: str
+    emulated: bool
+
+    def __call__(
+        self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def _grouped_mm_weight_grad_loop(
+    x_ND: torch.Tensor, g_NF: torch.Tensor, offs_e: torch.Tensor
+) -> torch.Tensor:
+    """grad_w[i] = x_i^T @ g_i, the loop twin of the 2-D x 2-D `torch._grouped_mm`."""
+    out_eDF = x_ND.new_zeros(offs_e.numel(), x_ND.shape[1], g_NF.shape[1])
+    start = 0
+    for expert, end in enumerate(offs_e.tolist()):
+        out_eDF[expert] = x_ND[start:end].T @ g_NF[start:end]
+        start = end
+    return out_eDF
+
+
+def _grouped_weight_grad(
+    x_ND: torch.Tensor, g_NF: torch.Tensor, offs_e: torch.Tensor
+) -> torch.Tensor:
+    """Sum over each group's rows of x^T g -> (e, D, F). x.T is column-major, the layout whose
+    jagged dim carries no alignment or non-empty requirement in the CUDA kernel."""
+    if x_ND.dtype in _GROUPED_MM_DTYPES:
+        return torch._grouped_mm(x_ND.T, g_NF, offs=offs_e)
+    return _grouped_mm_weight_grad_loop(x_ND, g_NF, offs_e)
+
+
+def _check_inputs(name: str, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor) -> None:
+    """Shape checks only: host-known metadata, no device sync."""
+    if x_ND.dim() != 2 or w_eDF.dim() != 3 or x_ND.shape[1] != w_eDF.shape[1]:
+        raise ValueError(
+            f"{name}: expected x (N, D) and w (e, D, F), got {tuple(x_ND.shape)} and {tuple(w_eDF.shape)}"
+        )
+    if offs_e.dtype != torch.int32 or offs_e.shape != (w_eDF.shape[0],):
+        raise ValueError(
+            f"{name}: offs must be int32 of shape ({w_eDF.shape[0]},), got {offs_e.dtype} {tuple(offs_e.shape)}"
+        )
+
+
+class _WeightCache:
+    """Quantized weights, reused until the weight changes.
+
+    An entry is valid while its tensor object is alive and `w._version` is unchanged (in-place
+    updates, e.g. the optimizer step, bump it). Updates through `.data` bypass the version counter:
+    call `clear()` after those. Costs one byte per weight element per cached layout.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, str], tuple[weakref.ref, int, tuple[torch.Tensor, ...]]] = {}
+        self.num_quantizations = 0
+
+    def get(
+        self, w: torch.Tensor, layout: str, make: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    ):
+        key = (id(w), layout)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is w and entry[1] == w._version:
+            return entry[2]
+        value = make(w.detach())
+        entries = self._entries
+        self._entries[key] = (
+            weakref.ref(w, lambda _, k=key: entries.pop(k, None)),
+            w._version,
+            value,
+        )
+        self.num_quantizations += 1
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _rowwise_quantizer(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Triton kernels on a CUDA GPU when Triton is installed, else the torch reference (same bits)."""
+    if device.type == "cuda":
+        from moetrain.kernels import quant_triton
+
+        if quant_triton.triton_available():
+            return quant_triton.quantize_fp8_rowwise_triton
+    return quant.quantize_fp8_rowwise
+
+
+def _mx_quantizer(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    if device.type == "cuda":
+        from moetrain.kernels import quant_triton
+
+        if quant_triton.triton_available():
+            return quant_triton.quantize_mxfp8_triton
+    return quant.quantize_mxfp8
+
+
+class BF16GroupedGemm:
+    """`torch._grouped_mm`, differentiable through torch's own autograd formula."""
+
+    name = "bf16"
+    emulated = False
+
+    def __call__(
+        self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
+    ) -> torch.Tensor:
+        _check_inputs(self.name, x_ND, w_eDF, offs_e)
+        return grouped_mm(x_ND, w_eDF, offs_e)
+
+
+def fp8_rowwise_unsupported_reason(device: torch.device) -> str | None:
+    """Why `torch._scaled_grouped_mm` cannot run on `device`, or None if it can."""
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA GPU"
+    if torch.version.hip is not None:
+        return "ROCm is not supported by this backend (it would need float8_e4m3fnuz)"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        name = torch.cuda.get_device_name(device)
+        return f"torch._scaled_grouped_mm needs compute capability 9.x or 10.x, {name} has {major}.{minor}"
+    return None
+
+
+class FP8RowwiseGroupedGemm:
+    """E4M3 operands with one fp32 scale per row of the activation and per output column of the
+    weight, bf16 output, fp32 accumulation.
+
+    Forward      y = x @ w:       x scaled per row along D, w per column along D.
+    Input grad   gx = gy @ w^T:   gy scaled per row along F, w per row along F (its reduction dim).
+    Weight grad  gw_i = x_i^T gy_i in BF16 with `torch._grouped_mm`: the FP8 2-D x 2-D kernel
+                 asserts non-empty groups whose sizes are multiples of 16, which routing does not
+                 give (see the module docstring). x is therefore saved in its input precision.
+    Quantized weights are cached per layout (`cache_weights`) and re-quantized only when the
+    weight changes. Without a capable GPU (`emulate=True`, or built for the CPU) the same math
+    runs as quantize -> dequantize -> fp32 grouped GEMM: equal to the hardware path up to the
+    order of fp32 accumulation, and `emulated` is True.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        emulate: bool | None = None,
+        use_fast_accum: bool = False,
+        cache_weights: bool = True,
+    ) -> None:
+        device = torch.device(device)
+        reason = fp8_rowwise_unsupported_reason(device)
+        if emulate is None:
+            emulate = reason is not None
+        if not emulate and reason is not None:
+            raise ValueError(f"fp8_rowwise: {reason}")
+        self.emulated = emulate
+        self.name = "fp8_rowwise (emulation)" if emulate else "fp8_rowwise"
+        self.use_fast_accum = use_fast_accum
+        self.cache_weights = cache_weights
+        self.weight_cache = _WeightCache()
+        self.quantize = _rowwise_quantizer(device)
+
+    def __call__(
+        self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
+    ) -> torch.Tensor:
+        _check_inputs(self.name, x_ND, w_eDF, offs_e)
+        if not self.emulated:
+            d, f = w_eDF.shape[1:]
+            if d % 16 or f % 16:
+                raise ValueError(
+                    f"{self.name}: D={d} and F={f} must be multiples of 16 (torch._scaled_grouped_mm)"
+                )
+            if w_eDF.shape[0] >= 1024:
+                raise ValueError(
+                    f"{self.name}: at most 1023 experts per GEMM, got {w_eDF.shape[0]}"
+                )
+        return _FP8RowwiseFn.apply(x_ND, w_eDF, offs_e, self)
+
+    def quantized_weight(
+        self, w_eDF: torch.Tensor, reduction: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_eNK contiguous, scale_eN) with K the reduction dim: "D" for the forward, "F" for the
+        input gradient. `q.mT` is the column-major operand `torch._scaled_grouped_mm` wants."""
+        if reduction == "D":
+
+            def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.quantize(w.mT, dim=-1)  # (e, F, D), one scale per output column
+        else:
+
+            def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.quantize(w, dim=-1)  # (e, D, F), one scale per row of w
+
+        if not self.cache_weights:
+            return make(w_eDF.detach())
+        return self.weight_cache.get(w_eDF, reduction, make)
+
+    def scaled_grouped_mm(
+        self,
+        a_q_MK: torch.Tensor,
+        a_scale_M: torch.Tensor,
+        b_q_eNK: torch.Tensor,
+        b_scale_eN: torch.Tensor,
+        offs_e: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """out[rows of group i] = (a_q * a_scale) @ (b_q[i] * b_scale[i]).T, via FP8 tensor cores
+        or, emulated, in fp32."""
+        if self.emulated:
+            a_MK = quant.dequantize_fp8_rowwise(a_q_MK, a_scale_M, dim=-1)
+            b_eNK = quant.dequantize_fp8_rowwise(b_q_eNK, b_scale_eN, dim=-1)
+            return grouped_mm(a_MK, b_eNK.mT, offs_e).to(out_dtype)
+        out_MN = torch._scaled_grouped_mm(
+            a_q_MK,
+            b_q_eNK.mT,
+            a_scale_M,
+            b_scale_eN,
+            offs=offs_e,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=self.use_fast_accum,
+        )
+        return out_MN.to(out_dtype)
+
+
+class _FP8RowwiseFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, w_eDF, offs_e, gemm: FP8RowwiseGroupedGemm):
+        x_ND = x_ND.contiguous()  # the weight gradient reads x.T as a column-major operand
+        x_q_ND, x_scale_N = gemm.quantize(x_ND, dim=-1)
+        w_q_eFD, w_scale_eF = gemm.quantized_weight(w_eDF, "D")
+        y_NF = gemm.scaled_grouped_mm(x_q_ND, x_scale_N, w_q_eFD, w_scale_eF, offs_e, x_ND.dtype)
+        ctx.save_for_backward(x_ND, offs_e)
+        ctx.gemm, ctx.w_eDF = gemm, w_eDF  # the weight itself: the cache checks its version
+        return y_NF
+
+    @staticmethod
+    def backward(ctx, grad_y_NF):
+        x_ND, offs_e = ctx.saved_tensors
+        gemm, w_eDF = ctx.gemm, ctx.w_eDF
+        grad_y_NF = grad_y_NF.contiguous()
+        grad_x_ND = grad_w_eDF = None
+        if ctx.needs_input_grad[0]:
+            g_q_NF, g_scale_N = gemm.quantize(grad_y_NF, dim=-1)
+            w_q_eDF, w_scale_eD = gemm.quantized_weight(w_eDF, "F")
+            grad_x_ND = gemm.scaled_grouped_mm(
+                g_q_NF, g_scale_N, w_q_eDF, w_scale_eD, offs_e, x_ND.dtype
+            )
+        if ctx.needs_input_grad[1]:
+            grad_w_eDF = _grouped_weight_grad(x_ND, grad_y_NF.to(x_ND.dtype), offs_e).to(
+                w_eDF.dtype
+            )
+        return grad_x_ND, grad_w_eDF, None, None
+
+
+class MXFP8EmulatedGroupedGemm:
+    """MXFP8 recipe, emulated: each operand of each product is quantized to MXFP8 (e4m3 elements,
+    one E8M0 scale per 32 elements) along that product's reduction dim, dequantized, and
+    multiplied in the input dtype (BF16 math for bf16 inputs).
+
+    Forward x along D, w along D; input grad gy along F, w along F; weight grad x and gy along the
+    token dim. Token blocks are aligned to the global row index, so a block may straddle two
+    experts (a hardware kernel would pad each group to 32 rows instead); padding rows are zeroed
+    first so they cannot leak into a real row's scale. Needs D and F to be multiples of 32.
+    """
+
+    name = "mxfp8 (emulation)"
+    emulated = True
+
+    def __init__(self, device: torch.device | str = "cpu", *, cache_weights: bool = True) -> None:
+        self.quantize = _mx_quantizer(torch.device(device))
+        self.cache_weights = cache_weights
+        self.weight_cache = _WeightCache()
+
+    def __call__(
+        self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
+    ) -> torch.Tensor:
+        _check_inputs(self.name, x_ND, w_eDF, offs_e)
+        d, f = w_eDF.shape[1:]
+        if d % quant.MX_BLOCK or f % quant.MX_BLOCK:
+            raise ValueError(f"{self.name}: D={d} and F={f} must be multiples of {quant.MX_BLOCK}")
+        return _MXFP8Fn.apply(x_ND, w_eDF, offs_e, self)
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """MXFP8 round trip along the last dim, back in x's dtype."""
+        return quant.dequantize_mxfp8(*self.quantize(x), dtype=x.dtype)
+
+    def fake_quantize_rows(self, x_NK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+        """Round trip along the token dim (blocks of 32 rows), padding rows zeroed."""
+        n = x_NK.shape[0]
+        valid_N = torch.arange(n, device=x_NK.device) < offs_e[-1]
+        x_KN = torch.where(valid_N[:, None], x_NK, 0).T
+        x_KN = torch.nn.functional.pad(x_KN, (0, -n % quant.MX_BLOCK))
+        return self.fake_quantize(x_KN)[:, :n].T.contiguous()
+
+    def weight(self, w_eDF: torch.Tensor, reduction: str) -> torch.Tensor:
+        """w round-tripped along its reduction dim ("D" forward, "F" input grad), as (e, D, F)."""
+        if reduction == "D":
+
+            def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.quantize(w.mT)
+        else:
+
+            def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.quantize(w)
+
+        q, scale = (
+            self.weight_cache.get(w_eDF, reduction, make)
+            if self.cache_weights
+            else make(w_eDF.detach())
+        )
+        w_dq = quant.dequantize_mxfp8(q, scale, dtype=w_eDF.dtype)
+        return w_dq.mT if reduction == "D" else w_dq
+
+
+class _MXFP8Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, w_eDF, offs_e, gemm: MXFP8EmulatedGroupedGemm):
+        x_ND = x_ND.contiguous()
+        ctx.save_for_backward(x_ND, offs_e)
+        ctx.gemm, ctx.w_eDF = gemm, w_eDF
+        return grouped_mm(gemm.fake_quantize(x_ND), gemm.weight(w_eDF, "D").to(x_ND.dtype), offs_e)
+
+    @staticmethod
+    def backward(ctx, grad_y_NF):
+        x_ND, offs_e = ctx.saved_tensors
+        gemm, w_eDF = ctx.gemm, ctx.w_eDF
+        grad_y_NF = grad_y_NF.to(x_ND.dtype).contiguous()
+        grad_x_ND = grad_w_eDF = None
+        if ctx.needs_input_grad[0]:
+            w_dq_eFD = gemm.weight(w_eDF, "F").to(x_ND.dtype).mT
+            grad_x_ND = grouped_mm(gemm.fake_quantize(grad_y_NF), w_dq_eFD, offs_e)
+        if ctx.needs_input_grad[1]:
+            x_dq_ND = gemm.fake_quantize_rows(x_ND, offs_e)
+            g_dq_NF = gemm.fake_quantize_rows(grad_y_NF, offs_e)
+            grad_w_eDF = _grouped_weight_grad(x_dq_ND, g_dq_NF, offs_e).to(w_eDF.dtype)
+        return grad_x_ND, grad_w_eDF, None, None
+
+
+def make_grouped_gemm(recipe: str, device: torch.device | str) -> GroupedGemm:
+    """The expert GEMM for a precision recipe on `device` (the device the step runs on).
+
+    "bf16": `torch._grouped_mm`. "fp8_rowwise": FP8 tensor cores on compute capability 9.x/10.x;
+    on the CPU an emulation (for tests and debugging); any other CUDA GPU raises ValueError.
+    "mxfp8": always the emulation (no MXFP8 grouped kernel exists for Hopper).
+    """
+    device = torch.device(device)
+    if recipe == "bf16":
+        return BF16GroupedGemm()
+    if recipe == "fp8_rowwise":
+        if device.type == "cpu":
+            return FP8RowwiseGroupedGemm(device, emulate=True)
+        reason = fp8_rowwise_unsupported_reason(device)
+        if reason is not None:
+            raise ValueError(
+                f"precision.experts=fp8_rowwise is unavailable: {reason}; use 'bf16' or 'mxfp8' (emulation)"
+            )
+        return FP8RowwiseGroupedGemm(device)
+    if recipe == "mxfp8":
+        return MXFP8EmulatedGroupedGemm(device)
+    raise ValueError(
+        f"precision.experts: unknown recipe {recipe!r}; valid: 'bf16', 'fp8_rowwise', 'mxfp8'"
+    )
