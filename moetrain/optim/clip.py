@@ -1,0 +1,89 @@
+"""Global gradient norm and clipping, counting every parameter element exactly once.
+
+This is the non-sharded path: gradients are already synchronized, so dense gradients are identical
+on every data-parallel rank and expert gradients are identical on the ranks that hold replicas of
+the same experts. What still differs between ranks: the ranks of one expert-parallel group hold
+different experts, and pipeline stages hold different layers. So
+
+    norm^2 = dense^2 (local: replicated, count it once)
+           + expert^2 summed over the ep group
+           and the whole thing summed over the pp stages.
+
+The sharded optimizer (sharded.py) computes its norm from the shards it owns instead; both share
+`clip_coefficient`, which matches `torch.nn.utils.clip_grad_norm_`. Results stay on the device:
+no host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+EXPERT = "expert"
+
+
+def params_with_kinds(param_groups: Sequence[dict[str, Any]]) -> list[tuple[torch.Tensor, str]]:
+    """(parameter, kind) pairs from `build_param_groups` output."""
+    return [(p, group["kind"]) for group in param_groups for p in group["params"]]
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared elements over `tensors`, as an fp32 scalar on `device` (0 when empty)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor `torch.nn.utils.clip_grad_norm_` multiplies gradients by (at most 1)."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
+def global_grad_norm(
+    params_with_kinds: Iterable[tuple[torch.Tensor, str]],
+    *,
+    ep_group: ProcessGroup | None = None,
+    pp_group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """L2 norm of all gradients of the model, for synchronized (replicated) gradients.
+
+    `ep_group`: the ranks holding different experts of one stage (None when ep is 1);
+    `pp_group`: the ranks holding the same position in different pipeline stages (None when pp
+    is 1). Parameters without a gradient count as zero. Every rank gets the same value.
+    """
+    dense, expert = [], []
+    device = torch.device("cpu")
+    for param, kind in params_with_kinds:
+        device = param.device
+        if param.grad is not None:
+            (expert if kind == EXPERT else dense).append(param.grad)
+    dense_sq = sum_of_squares(dense, device)
+    expert_sq = sum_of_squares(expert, device)
+    if ep_group is not None:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total_sq = dense_sq + expert_sq
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    return total_sq.sqrt()
+
+
+def clip_grad_norm_(
+    params_with_kinds: Iterable[tuple[torch.Tensor, str]],
+    max_norm: float,
+    *,
+    ep_group: ProcessGroup | None = None,
+    pp_group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most `max_norm`; returns the norm
+    before clipping. Same arithmetic as `torch.nn.utils.clip_grad_norm_` (norm + 1e-6)."""
+    pairs = list(params_with_kinds)
+    total_norm = global_grad_norm(pairs, ep_group=ep_group, pp_group=pp_group)
+    grads = [p.grad for p, _ in pairs if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, clip_coefficient(total_norm, max_norm))
+    return total_norm

@@ -1,0 +1,574 @@
+"""ShardedAdamW: a ZeRO-1 distributed AdamW with fp32 master weights and global-norm clipping.
+
+Parameters are laid out in flat buckets, one kind of bucket per sync group: dense and router
+parameters sync over `dense_group` (all data-parallel ranks), expert parameters over
+`expert_group` (the ranks holding replicas of the same experts). Each parameter's `.data` (and,
+when the dtypes agree, its `.grad`) becomes a view into its bucket, so communication needs no
+copies. Each bucket is padded to a multiple of its group size; rank r of the group owns the r-th
+contiguous shard and keeps the fp32 master copy and the AdamW moments of that shard only.
+
+Invariants: buckets are formed once, in a fixed order (the reverse of the parameters' forward
+order, so they fill during backward roughly in order), and every collective is launched in that
+bucket order on every rank. Owned shards partition each sync group's parameters, so every element
+of the model is owned by exactly one rank of the data-parallel world. At world size 1 (both groups
+None) a step is the arithmetic of `torch.optim.AdamW` (foreach=False) after
+`torch.nn.utils.clip_grad_norm_` (only the norm's summation order differs).
+
+The trainer's order per optimizer step:
+    for each micro-batch but the last:  with opt.no_sync(): loss.backward()
+    last micro-batch:                    loss.backward()   # hooks launch reduce-scatters
+    norm = opt.step(lr, max_grad_norm, skip=...)           # waits, clips, updates, all-gathers
+    opt.zero_grad()
+Checkpoints hold the state in global form (`state_dict`), so they load under any layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from moetrain.moe.experts import GroupedExperts
+from moetrain.optim.clip import EXPERT, clip_coefficient
+
+# torch >= 2.13 renamed the flat collectives; older versions only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+SHARD_ALIGN = 64  # shard sizes are multiples of this many elements (aligned collective chunks)
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+GlobalSlices = Mapping[str, tuple[Sequence[int], slice]]
+
+
+@dataclass
+class _Piece:
+    """The part of one parameter inside the owned shard: shard[lo:hi] == param.flat[param_lo:]."""
+
+    index: int  # position of the parameter in its bucket
+    lo: int
+    hi: int
+    param_lo: int
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    names: list[str]
+    starts: list[int]  # each parameter's offset in the flat buffers
+    group: ProcessGroup | None
+    divisor: float  # the reduced gradient is divided by this (averaging)
+    grad_is_view: bool  # .grad is a view of grads_flat (else: added in by the hook, then freed)
+    params_flat: torch.Tensor  # every parameter of the bucket, training dtype
+    grads_flat: torch.Tensor  # their gradients, grad dtype
+    shard_lo: int  # where the owned shard starts in the flat buffers
+    grad_shard: torch.Tensor  # reduce-scatter output (a view of grads_flat when unsharded)
+    staging: torch.Tensor  # all-gather input, training dtype
+    master: torch.Tensor  # owned shard, master dtype
+    exp_avg: torch.Tensor  # owned shard, fp32
+    exp_avg_sq: torch.Tensor  # owned shard, fp32
+    pieces: list[_Piece]
+    runs: list[tuple[int, int, int]]  # (lo, hi, param group index), merged adjacent pieces
+    ready: set[int] = field(default_factory=set)
+    launched: bool = False
+    work: Any = None
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        start, param = self.starts[index], self.params[index]
+        return self.grads_flat[start : start + param.numel()].view_as(param)
+
+
+def expert_global_slices(model: nn.Module, num_experts: int) -> dict[str, tuple[tuple, slice]]:
+    """`global_slices` for ShardedAdamW: each GroupedExperts weight holds rows
+    `expert_offset : expert_offset + local experts` of a (num_experts, ...) global tensor."""
+    slices = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for param_name, param in module.named_parameters(recurse=False):
+                offset = module.expert_offset
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                rows = slice(offset, offset + param.shape[0])
+                slices[name] = ((num_experts, *param.shape[1:]), rows)
+    return slices
+
+
+class ShardedAdamW:
+    """ZeRO-1 AdamW. See the module docstring for the layout and the trainer's call order.
+
+    `param_groups`: `build_param_groups` output (each group: params, param_names, kind,
+    weight_decay, lr_mult). `expert_grad_divisor`: expert gradients are summed over
+    `expert_group` and divided by this (the trainer passes dp: under expert parallelism a local
+    expert gradient already sums its ep group's contributions). `grad_dtype`: dtype in which
+    gradients accumulate and are reduced (None: the parameter's dtype, and `.grad` is a view into
+    the bucket; e.g. fp32 with bf16 parameters: each backward's `.grad` is added into an fp32
+    bucket and released). `global_slices`: parameter name -> (global shape, rows of dim 0 held
+    here) for parameters sliced by expert parallelism; others are global as they are.
+    `pp_group`: sums the grad norm over pipeline stages. `param_order`: parameter names in
+    forward order (e.g. from `model.named_parameters()`); default: their order in the groups.
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        *,
+        dense_group: ProcessGroup | None,
+        expert_group: ProcessGroup | None,
+        expert_grad_divisor: int = 1,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        bucket_mb: float = 25.0,
+        master_dtype: torch.dtype = torch.float32,
+        grad_dtype: torch.dtype | None = None,
+        global_slices: GlobalSlices | None = None,
+        pp_group: ProcessGroup | None = None,
+        param_order: Sequence[str] | None = None,
+    ) -> None:
+        if dense_group is None and expert_group is not None:
+            raise ValueError("expert_group must be None when dense_group is None (dp is 1)")
+        if expert_grad_divisor < 1:
+            raise ValueError(f"expert_grad_divisor ({expert_grad_divisor}) must be >= 1")
+        # A group of one rank needs no communication: treat it as None.
+        dense_group, expert_group, pp_group = (
+            g if _size(g) > 1 else None for g in (dense_group, expert_group, pp_group)
+        )
+        self.lr, self.betas, self.eps = lr, betas, eps
+        self.dense_group, self.expert_group, self.pp_group = dense_group, expert_group, pp_group
+        self.groups = [
+            {"weight_decay": g["weight_decay"], "lr_mult": g.get("lr_mult", 1.0)}
+            for g in param_groups
+        ]
+        self._sync_enabled = True
+        self._next_launch = 0  # buckets before this index have their reduce-scatter launched
+
+        entries = _entries(param_groups, param_order)
+        self._layout = _global_layouts(entries, global_slices or {})
+        ep = _size(dense_group) // _size(expert_group)
+        for name, _, _, kind in entries:
+            if kind == EXPERT and ep > 1 and name not in (global_slices or {}):
+                raise ValueError(f"expert parameter {name} needs a global_slices entry (ep={ep})")
+        sync = {
+            "dense": (dense_group, float(_size(dense_group))),
+            EXPERT: (expert_group, float(expert_grad_divisor)),
+        }
+        self.buckets = _make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype)
+        device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
+        # Steps applied so far, on the device (a skipped step is decided there); float64 so the
+        # bias corrections round exactly as torch.optim.AdamW's Python-float ones do.
+        self.step_count = torch.zeros((), dtype=torch.float64, device=device)
+        self._where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._hook(bucket, index))
+            for bucket in self.buckets
+            for index, param in enumerate(bucket.params)
+        ]
+
+    # ---- gradient synchronization ------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient-accumulation micro-steps: gradients accumulate locally, nothing is launched."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _hook(self, bucket: _Bucket, index: int):
+        def on_grad_accumulated(param: torch.Tensor) -> None:
+            if not bucket.grad_is_view:  # add this backward's .grad into the bucket, free it
+                self._collect_grad(bucket, index)
+            if not self._sync_enabled:
+                return
+            if bucket.launched or index in bucket.ready:
+                raise RuntimeError(
+                    f"gradient of {bucket.names[index]} accumulated again after it was ready for "
+                    "reduction: run gradient-accumulation micro-steps inside opt.no_sync() and "
+                    "call opt.step() / opt.zero_grad() between optimizer steps"
+                )
+            bucket.ready.add(index)
+            # Launch in bucket order only, so every rank issues the same collective sequence.
+            while self._next_launch < len(self.buckets):
+                nxt = self.buckets[self._next_launch]
+                if len(nxt.ready) < len(nxt.params):
+                    break
+                self._launch_reduce(nxt)
+
+        return on_grad_accumulated
+
+    def _collect_grad(self, bucket: _Bucket, index: int) -> None:
+        """Bring a `.grad` that is not the bucket's view into the bucket. View mode: `.grad` is
+        the gradient (None means zero), it replaces the bucket's copy. Accumulation mode: `.grad`
+        is this backward's increment and is added."""
+        param, view = bucket.params[index], bucket.grad_view(index)
+        grad = param.grad
+        if bucket.grad_is_view:
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            param.grad = view
+        elif grad is not None:
+            view.add_(grad)
+            param.grad = None
+
+    def _launch_reduce(self, bucket: _Bucket) -> None:
+        for index in range(len(bucket.params)):
+            self._collect_grad(bucket, index)
+        if bucket.group is not None:
+            bucket.work = _reduce_scatter(
+                bucket.grad_shard, bucket.grads_flat, group=bucket.group, async_op=True
+            )
+        bucket.launched = True
+        self._next_launch += 1
+
+    def finish_grad_sync(self) -> None:
+        """Launch the reduce-scatters the backward hooks have not launched (unused parameters,
+        gradients assigned by hand) and wait for all of them. Idempotent within a step."""
+        while self._next_launch < len(self.buckets):
+            self._launch_reduce(self.buckets[self._next_launch])
+        self._wait_reduces()
+
+    def _wait_reduces(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+
+    def _reset_sync(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.launched = False
+        self._next_launch = 0
+
+    # ---- the step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(
+        self,
+        lr: float | None = None,
+        max_grad_norm: float | None = None,
+        *,
+        skip: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One AdamW step at learning rate `lr` (x each group's lr_mult; None: the constructor's),
+        clipping the global gradient norm to `max_grad_norm` (None or 0: no clipping). Returns the
+        norm before clipping, a device tensor.
+
+        `skip`: a device bool; where it is true, or the gradient norm is not finite, the step
+        changes nothing (parameters, moments, step count), decided on the device without a host
+        sync. Costs a copy of each bucket's state while it updates; None skips nothing.
+        """
+        lr = self.lr if lr is None else lr
+
+        # (1) Reduce-scatter: launch what backward has not launched, wait for everything. Each
+        #     rank now holds the summed gradient of its shard of every bucket.
+        self.finish_grad_sync()
+
+        # (2) Global grad norm. Owned shards partition every sync group and every ep rank holds
+        #     different experts, so one sum over the data-parallel world counts each element once.
+        squares = [
+            (torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32) / b.divisor).square()
+            for b in self.buckets
+        ]
+        total_sq = torch.stack(squares).sum() if squares else self.step_count.new_zeros(())
+        for group in (self.dense_group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(total_sq, group=group)
+        total_norm = total_sq.sqrt()
+        clip = clip_coefficient(total_norm, max_grad_norm) if max_grad_norm else None
+        if skip is not None:
+            skip = skip | ~torch.isfinite(total_norm)
+            self.step_count += (~skip).float()
+        else:
+            self.step_count += 1
+
+        # (3) AdamW on each owned fp32 shard, then (4) launch the all-gather of the updated shard
+        #     in the training dtype, so bucket i's gather overlaps bucket i+1's update.
+        beta1, beta2 = self.betas
+        bias_correction1 = 1 - beta1**self.step_count
+        bias_correction2_sqrt = (1 - beta2**self.step_count).sqrt()
+        gathers = []
+        for bucket in self.buckets:
+            grad = bucket.grad_shard.to(torch.float32)
+            if bucket.divisor != 1:
+                grad = grad / bucket.divisor
+            if clip is not None:
+                grad = grad * clip
+            state = (bucket.master, bucket.exp_avg, bucket.exp_avg_sq)
+            before = [t.clone() for t in state] if skip is not None else None
+            bucket.exp_avg.lerp_(grad, 1 - beta1)
+            bucket.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (bucket.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            for lo, hi, group_index in bucket.runs:
+                group_lr = lr * self.groups[group_index]["lr_mult"]
+                weight_decay = self.groups[group_index]["weight_decay"]
+                master = bucket.master[lo:hi]
+                if weight_decay:
+                    master.mul_(1 - group_lr * weight_decay)
+                # master += -step_size * exp_avg / denom, rounded as torch's addcdiv_ rounds it;
+                # the step size is a device scalar because the step count is one.
+                master.add_(
+                    bucket.exp_avg[lo:hi].mul(-group_lr / bias_correction1).div_(denom[lo:hi])
+                )
+            if before is not None:
+                for new, old in zip(state, before, strict=True):
+                    new.copy_(torch.where(skip, old, new))
+            gathers.append(self._launch_gather(bucket))
+
+        # (5) Wait for the gathers: every parameter holds its new value on every rank.
+        for work in gathers:
+            if work is not None:
+                work.wait()
+        self._reset_sync()
+        return total_norm
+
+    def _launch_gather(self, bucket: _Bucket):
+        if bucket.group is None:
+            bucket.params_flat.copy_(bucket.master)
+            return None
+        bucket.staging.copy_(bucket.master)
+        return _all_gather(bucket.params_flat, bucket.staging, group=bucket.group, async_op=True)
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero every gradient (in the buckets; `.grad` stays a view of them in view mode)."""
+        self._wait_reduces()  # nothing may still be reading the buffers
+        for bucket in self.buckets:
+            bucket.grads_flat.zero_()
+            for index, param in enumerate(bucket.params):
+                param.grad = bucket.grad_view(index) if bucket.grad_is_view else None
+        self._reset_sync()
+
+    def state_bytes_per_rank(self) -> int:
+        """Bytes of optimizer state this rank holds: master copy and both moments of its shards."""
+        return sum(
+            t.numel() * t.element_size()
+            for b in self.buckets
+            for t in (b.master, b.exp_avg, b.exp_avg_sq)
+        )
+
+    # ---- checkpointing ------------------------------------------------------------------------
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state in GLOBAL form, independent of the parallel layout:
+
+            {"step": int, "state": {global param name: {"master", "exp_avg", "exp_avg_sq":
+                                    CPU tensor of the parameter's global shape}}}
+
+        Collective over the data-parallel world (every rank must call it; every rank gets the same
+        dict, so torch.distributed.checkpoint deduplicates and writes each tensor once). Each
+        tensor is assembled on the device one at a time: zeros, plus the owned pieces, summed over
+        `dense_group` (owners partition every element, so the sum is exact); it costs host memory
+        for the global state of this pipeline stage on every rank.
+        """
+        state = {}
+        for name, (bucket, index) in self._where.items():
+            global_shape, first_row = self._layout[name]
+            base = first_row * math.prod(global_shape[1:])
+            entry = {}
+            for key in STATE_KEYS:
+                shard = getattr(bucket, key)
+                full = torch.zeros(math.prod(global_shape), dtype=shard.dtype, device=shard.device)
+                for piece in self._pieces_of(bucket, index):
+                    start = base + piece.param_lo
+                    full[start : start + piece.hi - piece.lo] = shard[piece.lo : piece.hi]
+                if self.dense_group is not None:
+                    dist.all_reduce(full, group=self.dense_group)
+                entry[key] = full.view(global_shape).cpu()
+            state[name] = entry
+        return {"step": int(self.step_count.item()), "state": state}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a `state_dict()` saved under any layout: each rank copies the slices it owns,
+        then the parameters are set from the master weights. No collectives but the final
+        all-gather; without a "master" entry a parameter's current value becomes its master."""
+        self.step_count.fill_(int(state_dict["step"]))
+        saved = state_dict["state"]
+        for name, (bucket, index) in self._where.items():
+            if name not in saved:
+                raise ValueError(f"optimizer state has no entry for parameter {name}")
+            global_shape, first_row = self._layout[name]
+            base = first_row * math.prod(global_shape[1:])
+            for key in STATE_KEYS:
+                if key not in saved[name] and key == "master":
+                    self._reset_master(bucket, index)
+                    continue
+                if key not in saved[name]:
+                    raise ValueError(f"optimizer state of {name} has no {key!r}")
+                tensor = saved[name][key]
+                if tuple(tensor.shape) != tuple(global_shape):
+                    raise ValueError(
+                        f"optimizer state {name}.{key} has shape {tuple(tensor.shape)}, "
+                        f"expected the global shape {tuple(global_shape)}"
+                    )
+                flat, shard = tensor.reshape(-1), getattr(bucket, key)
+                for piece in self._pieces_of(bucket, index):
+                    start = base + piece.param_lo
+                    shard[piece.lo : piece.hi] = flat[start : start + piece.hi - piece.lo]
+        gathers = [self._launch_gather(bucket) for bucket in self.buckets]
+        for work in gathers:
+            if work is not None:
+                work.wait()
+
+    @torch.no_grad()
+    def reset_masters(self) -> None:
+        """Copy the parameters into the master weights (after loading weights from elsewhere)."""
+        for bucket in self.buckets:
+            for index in range(len(bucket.params)):
+                self._reset_master(bucket, index)
+
+    @staticmethod
+    def _reset_master(bucket: _Bucket, index: int) -> None:
+        for piece in ShardedAdamW._pieces_of(bucket, index):
+            start = bucket.shard_lo + piece.lo
+            bucket.master[piece.lo : piece.hi] = bucket.params_flat[
+                start : start + piece.hi - piece.lo
+            ]
+
+    @staticmethod
+    def _pieces_of(bucket: _Bucket, index: int) -> list[_Piece]:
+        return [piece for piece in bucket.pieces if piece.index == index]
+
+
+# ---- construction helpers -----------------------------------------------------------------------
+Entry = tuple[str, nn.Parameter, int, str]  # name, parameter, param group index, sync kind
+
+
+def _size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _entries(param_groups: list[dict[str, Any]], param_order: Sequence[str] | None) -> list[Entry]:
+    """Every parameter with its group and sync kind, in forward order."""
+    entries = []
+    for group_index, group in enumerate(param_groups):
+        names = group.get("param_names")
+        if names is None or len(names) != len(group["params"]):
+            raise ValueError(f"param group {group_index} needs one param_names entry per param")
+        kind = group.get("kind")
+        if kind not in ("dense", "router", EXPERT):
+            raise ValueError(
+                f"param group {group_index} kind ({kind!r}) must be dense, router or expert"
+            )
+        sync = EXPERT if kind == EXPERT else "dense"
+        entries += [(n, p, group_index, sync) for n, p in zip(names, group["params"], strict=True)]
+    if param_order is not None:
+        position = {name: i for i, name in enumerate(param_order)}
+        missing = [name for name, *_ in entries if name not in position]
+        if missing:
+            raise ValueError(f"param_order lacks parameters {missing[:3]}")
+        entries.sort(key=lambda entry: position[entry[0]])
+    return entries
+
+
+def _global_layouts(entries: list[Entry], global_slices: GlobalSlices) -> dict[str, tuple]:
+    """name -> (global shape, first row of dim 0 held here)."""
+    layouts = {}
+    for name, param, _, _ in entries:
+        if name not in global_slices:
+            layouts[name] = (tuple(param.shape), 0)
+            continue
+        shape, rows = global_slices[name]
+        shape, start = tuple(shape), rows.start or 0
+        stop = shape[0] if rows.stop is None else rows.stop
+        if stop - start != param.shape[0] or shape[1:] != tuple(param.shape[1:]):
+            raise ValueError(
+                f"global_slices[{name!r}] (shape {shape}, rows {start}:{stop}) does not match the "
+                f"local shape {tuple(param.shape)}"
+            )
+        layouts[name] = (shape, start)
+    return layouts
+
+
+def _make_buckets(
+    entries: list[Entry],
+    sync: dict[str, tuple[ProcessGroup | None, float]],
+    bucket_bytes: float,
+    master_dtype: torch.dtype,
+    grad_dtype: torch.dtype | None,
+) -> list[_Bucket]:
+    """Walk the parameters in reverse forward order (the order backward produces gradients) with
+    one open bucket per (sync kind, dtype, device); a bucket closes once it holds bucket_bytes.
+    The closing order is the launch order."""
+    buckets, open_buckets = [], {}
+    for entry in reversed(entries):
+        _, param, _, kind = entry
+        key = (kind, param.dtype, param.device)
+        members = open_buckets.setdefault(key, [])
+        members.append(entry)
+        if sum(p.numel() for _, p, _, _ in members) * param.element_size() >= bucket_bytes:
+            del open_buckets[key]
+            buckets.append(_make_bucket(members, *sync[kind], master_dtype, grad_dtype))
+    for (kind, _, _), members in open_buckets.items():
+        buckets.append(_make_bucket(members, *sync[kind], master_dtype, grad_dtype))
+    return buckets
+
+
+def _make_bucket(
+    members: list[Entry],
+    group: ProcessGroup | None,
+    divisor: float,
+    master_dtype: torch.dtype,
+    grad_dtype: torch.dtype | None,
+) -> _Bucket:
+    params = [param for _, param, _, _ in members]
+    dtype, device = params[0].dtype, params[0].device
+    grad_dtype = grad_dtype or dtype
+    size, rank = _size(group), 0 if group is None else dist.get_rank(group)
+    starts = [0]
+    for param in params:
+        starts.append(starts[-1] + param.numel())
+    numel = starts.pop()
+    shard = numel if size == 1 else math.ceil(numel / (size * SHARD_ALIGN)) * SHARD_ALIGN
+    params_flat = torch.zeros(shard * size, dtype=dtype, device=device)
+    grads_flat = torch.zeros(shard * size, dtype=grad_dtype, device=device)
+    for param, start in zip(params, starts, strict=True):
+        view = params_flat[start : start + param.numel()]
+        view.copy_(param.detach().reshape(-1))
+        param.data = view.view_as(param)
+        param.grad = (
+            grads_flat[start : start + param.numel()].view_as(param)
+            if grad_dtype == dtype
+            else None
+        )
+
+    lo = rank * shard
+    grad_shard = grads_flat[lo : lo + shard] if size == 1 else torch.zeros_like(grads_flat[:shard])
+    staging = grad_shard if grad_dtype == dtype else torch.zeros_like(params_flat[:shard])
+    pieces = []
+    for index, (param, start) in enumerate(zip(params, starts, strict=True)):
+        a, b = max(start, lo), min(start + param.numel(), lo + shard)
+        if a < b:
+            pieces.append(_Piece(index, a - lo, b - lo, a - start))
+    runs: list[tuple[int, int, int]] = []
+    for piece in pieces:
+        group_index = members[piece.index][2]
+        if runs and runs[-1][1] == piece.lo and runs[-1][2] == group_index:
+            runs[-1] = (runs[-1][0], piece.hi, group_index)
+        else:
+            runs.append((piece.lo, piece.hi, group_index))
+    return _Bucket(
+        params=params,
+        names=[name for name, _, _, _ in members],
+        starts=starts,
+        group=group,
+        divisor=divisor,
+        grad_is_view=grad_dtype == dtype,
+        params_flat=params_flat,
+        grads_flat=grads_flat,
+        shard_lo=lo,
+        grad_shard=grad_shard,
+        staging=staging,
+        master=params_flat[lo : lo + shard].to(master_dtype, copy=True),
+        exp_avg=torch.zeros(shard, dtype=torch.float32, device=device),
+        exp_avg_sq=torch.zeros(shard, dtype=torch.float32, device=device),
+        pieces=pieces,
+        runs=runs,
+    )

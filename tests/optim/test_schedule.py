@@ -1,0 +1,82 @@
+"""LR schedules (pure functions of the step) and typed parameter groups."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from moetrain import presets
+from moetrain.config import TrainConfig
+from moetrain.model.transformer import Transformer
+from moetrain.optim.param_groups import build_param_groups
+from moetrain.optim.schedule import lr_at
+
+
+def _train(**overrides) -> TrainConfig:
+    base = dict(lr=1e-3, min_lr_ratio=0.1, warmup_steps=10, steps=100, schedule="cosine")
+    return TrainConfig(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd", "constant"])
+def test_linear_warmup_reaches_peak(schedule):
+    t = _train(schedule=schedule)
+    warmup = [lr_at(step, t) for step in range(t.warmup_steps)]
+    assert warmup[0] == pytest.approx(t.lr / t.warmup_steps)
+    assert warmup[-1] == pytest.approx(t.lr)
+    assert all(b > a for a, b in zip(warmup, warmup[1:], strict=False))
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_decay_ends_at_min_lr_and_is_monotone(schedule):
+    t = _train(schedule=schedule)
+    after = [lr_at(step, t) for step in range(t.warmup_steps, t.steps)]
+    assert after[0] == pytest.approx(t.lr)
+    assert after[-1] == pytest.approx(t.lr * t.min_lr_ratio)
+    assert all(b <= a for a, b in zip(after, after[1:], strict=False))
+    assert lr_at(t.steps + 50, t) == pytest.approx(t.lr * t.min_lr_ratio)  # stays at the floor
+
+
+def test_cosine_midpoint_is_halfway():
+    t = _train(warmup_steps=0, steps=101, min_lr_ratio=0.0)
+    assert lr_at(50, t) == pytest.approx(t.lr / 2)
+    assert lr_at(25, t) == pytest.approx(t.lr * 0.5 * (1 + math.cos(math.pi / 4)))
+
+
+def test_wsd_plateau_then_linear_decay():
+    t = _train(schedule="wsd", decay_fraction=0.2)
+    decay_start = int(t.steps * (1 - t.decay_fraction))
+    assert all(lr_at(s, t) == t.lr for s in range(t.warmup_steps, decay_start))
+    assert lr_at(decay_start + 1, t) < t.lr
+    assert lr_at(t.steps - 1, t) == pytest.approx(t.lr * t.min_lr_ratio)
+
+
+def test_constant_stays_at_peak():
+    t = _train(schedule="constant")
+    assert {lr_at(s, t) for s in range(t.warmup_steps, t.steps)} == {t.lr}
+
+
+def test_param_groups_kinds_decay_and_multipliers():
+    config = presets.tiny()
+    train = dataclasses.replace(config.train, expert_lr_mult=0.5, router_lr_mult=2.0)
+    model = Transformer(dataclasses.replace(config, train=train))
+    groups = build_param_groups(model, train)
+
+    names = [n for g in groups for n in g["param_names"]]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # each exactly once
+    by_name = {n: g for g in groups for n in g["param_names"]}
+    for name, param in model.named_parameters():
+        group = by_name[name]
+        no_decay = name.endswith("norm.weight") or name == "embed.weight" or param.ndim < 2
+        assert (group["weight_decay"] == 0.0) == no_decay, name
+        if not no_decay:
+            assert group["weight_decay"] == train.weight_decay
+    assert by_name["embed.weight"]["weight_decay"] == 0.0
+    assert by_name["blocks.0.attn_norm.weight"]["weight_decay"] == 0.0
+    experts = by_name["blocks.0.ffn.experts.w_up_eD2F"]
+    assert (experts["kind"], experts["lr_mult"]) == ("expert", 0.5)
+    router = by_name["blocks.0.ffn.router.gate.weight"]
+    assert (router["kind"], router["lr_mult"]) == ("router", 2.0)
+    dense = by_name["blocks.0.attn.q_proj.weight"]
+    assert (dense["kind"], dense["lr_mult"]) == ("dense", 1.0)
