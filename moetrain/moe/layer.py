@@ -18,6 +18,7 @@ from moetrain.config import MoEConfig
 from moetrain.moe.balance import update_expert_bias
 from moetrain.moe.dispatch import Dispatcher, LocalDispatcher
 from moetrain.moe.experts import GroupedExperts
+from moetrain.moe.recompute import is_recomputing
 from moetrain.moe.router import RoutingResult, TopKRouter
 from moetrain.nn.mlp import SwiGLU
 
@@ -64,7 +65,9 @@ class MoELayer(nn.Module):
         self.register_buffer(
             "stat_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False
         )
-        self.register_buffer("stat_losses", torch.zeros(3), persistent=False)  # lb, z, count
+        self.register_buffer(
+            "stat_losses", torch.zeros(4), persistent=False
+        )  # lb, z, entropy, count
         self.register_buffer(
             "step_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False
         )
@@ -78,7 +81,7 @@ class MoELayer(nn.Module):
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
-        if self.training:
+        if self.training and not is_recomputing():
             self._record(routing)
             aux_loss = (
                 self.config.lb_loss_weight * routing.lb_loss
@@ -92,22 +95,23 @@ class MoELayer(nn.Module):
     def _record(self, routing: RoutingResult) -> None:
         self.stat_tokens_per_expert_E += routing.tokens_per_expert_E
         self.step_tokens_per_expert_E += routing.tokens_per_expert_E
+        probs_TE = routing.probs_TE.detach()
+        entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()
+        one = torch.ones((), device=probs_TE.device)
         self.stat_losses += torch.stack(
-            [
-                routing.lb_loss.detach(),
-                routing.z_loss.detach(),
-                torch.ones((), device=routing.lb_loss.device),
-            ]
-        )
+            [routing.lb_loss.detach(), routing.z_loss.detach(), entropy, one]
+        ).to(self.stat_losses.dtype)
 
     @torch.no_grad()
     def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
-        """Device tensors: routes per expert and mean unweighted lb/z losses since the last read."""
-        count = self.stat_losses[2].clamp_min(1)
+        """Device tensors since the last read: routes per expert, mean unweighted lb and z losses,
+        mean per-token router entropy (nats)."""
+        count = self.stat_losses[3].clamp_min(1)
         stats = {
             "tokens_per_expert": self.stat_tokens_per_expert_E.clone(),
             "lb_loss": self.stat_losses[0] / count,
             "z_loss": self.stat_losses[1] / count,
+            "entropy": self.stat_losses[2] / count,
         }
         if reset:
             self.stat_tokens_per_expert_E.zero_()

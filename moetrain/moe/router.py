@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from moetrain.moe import balance
+from moetrain.moe.recompute import is_recomputing
 
 
 @dataclass
@@ -52,6 +53,7 @@ class TopKRouter(nn.Module):
             "expert_bias_E", torch.zeros(num_experts) if use_bias else None, persistent=use_bias
         )
         self._generator: torch.Generator | None = None
+        self._draws = 0  # random-routing draws so far (host int: seeding needs no device read)
 
     def forward(self, x_TD: torch.Tensor) -> RoutingResult:
         # fp32 scores for bf16 models; float64 stays float64 (reference tests)
@@ -64,7 +66,9 @@ class TopKRouter(nn.Module):
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
 
         if self.routing == "random":
-            noise_TE = torch.rand(logits_TE.shape, device=x_TD.device, generator=self._rng(x_TD))
+            noise_TE = torch.rand(
+                logits_TE.shape, device=x_TD.device, generator=self._draw_rng(x_TD)
+            )
             expert_ids_TK = noise_TE.topk(self.top_k, dim=-1).indices
         else:
             selection_TE = scores_TE.detach()
@@ -85,13 +89,20 @@ class TopKRouter(nn.Module):
             z_loss=balance.router_z_loss(logits_TE),
         )
 
-    def _rng(self, x: torch.Tensor) -> torch.Generator:
+    def _draw_rng(self, x: torch.Tensor) -> torch.Generator:
+        """The generator for this forward's random experts, seeded by (seed, draw number). An
+        activation-checkpoint recompute reuses the draw number of the forward it repeats."""
         if self._generator is None or self._generator.device != x.device:
             self._generator = torch.Generator(device=x.device)
-            self._generator.manual_seed(self.seed)
+        if is_recomputing():
+            draw = self._draws - 1
+        else:
+            draw, self._draws = self._draws, self._draws + 1
+        self._generator.manual_seed(self.seed * 1_000_003 + draw)
         return self._generator
 
     def reset_buffers(self) -> None:
         if self.expert_bias_E is not None:
             self.expert_bias_E.zero_()
         self._generator = None
+        self._draws = 0

@@ -1,0 +1,97 @@
+"""Differentiable collectives for expert parallelism, and the counts exchanges that feed them.
+
+Letters: R rows, D model dim, E experts, G ranks in the group.
+- `all_to_all(x_RD, group, ...)`: `all_to_all_single` with autograd. The backward of an all-to-all
+  is the reverse all-to-all (split sizes swapped). `sink_rows` appends that many zero rows to the
+  output, allocated together with it (no copy): gathers point padding at them, and the gradient
+  they receive is dropped, so garbage gradients of padding rows can never reach real data.
+- `all_gather_counts` and `all_to_all_counts`: integer count vectors, no gradient.
+Every function accepts `group=None`, meaning a group of one rank: the data stays where it is,
+so world size 1 runs the same code with the transport skipped. No function reads device values
+on the host. The eager collectives are hidden from torch.compile (a graph break at each), which
+keeps compiled blocks correct with every backend; a traceable transport is future work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, group, output_split_sizes, input_split_sizes, sink_rows):  # type: ignore[override]
+        ctx.group, ctx.sink_rows = group, sink_rows
+        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
+        return _exchange(x_RD.contiguous(), group, output_split_sizes, input_split_sizes, sink_rows)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grad_out = grad_out[: grad_out.shape[0] - ctx.sink_rows].contiguous()
+        grad_x = _exchange(grad_out, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes, 0)
+        return grad_x, None, None, None, None
+
+
+def _exchange(
+    x_RD: torch.Tensor,
+    group: ProcessGroup | None,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    sink_rows: int,
+) -> torch.Tensor:
+    """One all_to_all_single into a fresh buffer with `sink_rows` zero rows after the data."""
+    num_rows = x_RD.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    out = x_RD.new_empty((num_rows + sink_rows, *x_RD.shape[1:]))
+    out[num_rows:].zero_()
+    if group is None:
+        assert output_split_sizes == input_split_sizes, "a group of one sends to itself"
+        out[:num_rows].copy_(x_RD)
+    else:
+        dist.all_to_all_single(
+            out[:num_rows], x_RD, output_split_sizes, input_split_sizes, group=group
+        )
+    return out
+
+
+@torch.compiler.disable
+def all_to_all(
+    x_RD: torch.Tensor,
+    group: ProcessGroup | None,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    sink_rows: int = 0,
+) -> torch.Tensor:
+    """Differentiable all_to_all_single over dim 0. Split sizes None: equal splits. With a group of
+    one and no sink rows the input comes back as is (the identity; autograd passes through)."""
+    if group is None and sink_rows == 0:
+        return x_RD
+    return _AllToAll.apply(x_RD, group, output_split_sizes, input_split_sizes, sink_rows)
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def all_gather_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """[G, E]: row g is rank g's count vector (the rank order of the group)."""
+    if group is None:
+        return counts_E.unsqueeze(0)
+    out_GE = counts_E.new_empty(group_size(group), counts_E.shape[0])
+    dist.all_gather_single(out_GE.view(-1), counts_E.contiguous(), group=group)
+    return out_GE
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def all_to_all_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Rank r sends slice r of its count vector to rank r. Returns [G, E / G]: row g is the
+    slice rank g sent here."""
+    size = group_size(group)
+    if group is None:
+        return counts_E.view(1, -1)
+    out_GE = torch.empty_like(counts_E)
+    dist.all_to_all_single(out_GE, counts_E.contiguous(), group=group)
+    return out_GE.view(size, -1)

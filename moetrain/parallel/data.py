@@ -1,0 +1,207 @@
+"""Data parallelism: gradient synchronization for a plain optimizer, log-time statistics, FSDP2.
+
+Gradient math (equal to one process accumulating over every dp rank's micro-batch): each rank
+backpropagates the mean loss of its own micro-batch, so
+- dense gradients (router included): all-reduce SUM over dp, divide by dp (the average);
+- expert gradients: with expert parallelism an expert's gradient on its rank already sums the
+  contributions of every source rank of its ep group (through the all-to-all backward), and the
+  edp replicas saw disjoint data: all-reduce SUM over edp, then divide by dp.
+`GradientSync` does this DDP-style. Parameters are packed, in reverse registration order (about
+the order backward produces them), into flat buckets of one kind (dense or expert) and dtype. A
+post-accumulate-grad hook copies each gradient into its bucket; a full bucket launches an async
+all-reduce, in bucket order, so communication overlaps backward and every rank issues the same
+sequence of collectives. `finish()` launches what backward did not, waits, divides, copies back.
+
+    for i, micro_batch in enumerate(micro_batches):
+        with sync.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            loss_fn(micro_batch).backward()
+    sync.finish()          # then clip, optimizer.step(), zero_grad()
+
+`apply_fsdp` is the FSDP2 baseline: fully_shard on each block and the root over dp; under expert
+parallelism each experts module is sharded over edp with gradient divide factor dp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from moetrain.moe.layer import MoELayer
+from moetrain.parallel.expert import is_expert_param
+from moetrain.parallel.mesh import ParallelDims
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    group: ProcessGroup
+    flat: torch.Tensor | None = None  # allocated once the bucket is closed
+    offsets: list[int] = field(default_factory=list)
+    ready: list[bool] = field(default_factory=list)
+    work: dist.Work | None = None
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def close(self) -> None:
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        p0 = self.params[0]
+        self.flat = torch.empty(self.offsets[-1], dtype=p0.dtype, device=p0.device)
+        self.ready = [False] * len(self.params)
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self.flat[self.offsets[slot] : self.offsets[slot + 1]].view_as(self.params[slot])
+
+    def copy_in(self, slot: int) -> None:
+        grad = self.params[slot].grad
+        if grad is None:  # unused this step on this rank: contributes zero
+            self.view(slot).zero_()
+        else:
+            self.view(slot).copy_(grad)
+        self.ready[slot] = True
+
+
+class GradientSync:
+    """DDP-style gradient synchronization for a model whose parameters are all local (apply_ep
+    may have sharded the experts). A no-op when dp is 1."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, bucket_mb: float = 25.0) -> None:
+        self.dims = dims
+        self._sync_enabled = True
+        self._buckets: list[_Bucket] = []
+        self._slot: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        self._divide_only: list[nn.Parameter] = []  # experts without replicas (edp 1)
+        self._next_launch = 0
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        if dims.dp == 1:
+            return
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if any(isinstance(p, DTensor) for _, p in named):
+            raise ValueError(
+                "GradientSync is for parallel.data_parallel 'ddp'; this model is sharded "
+                "(fsdp), which reduces its own gradients"
+            )
+        open_buckets: dict[tuple, _Bucket] = {}
+        for name, param in reversed(named):
+            expert = is_expert_param(name)
+            group = dims.edp_group if expert else dims.dp_group
+            if group is None:
+                self._divide_only.append(param)
+                continue
+            key = (expert, param.dtype, param.device)
+            if key not in open_buckets:  # buckets are numbered in the order they open
+                open_buckets[key] = _Bucket(params=[], group=group)
+                self._buckets.append(open_buckets[key])
+            bucket = open_buckets[key]
+            self._slot[param] = (bucket, len(bucket.params))
+            bucket.params.append(param)
+            if bucket.numel() * param.element_size() >= bucket_mb * 2**20:
+                bucket.close()
+                del open_buckets[key]
+        for bucket in open_buckets.values():
+            bucket.close()
+        for param in self._slot:
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient-accumulation micro-steps: gradients accumulate locally, nothing is sent."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync_enabled:
+            return
+        bucket, slot = self._slot[param]
+        if bucket.work is not None:
+            raise RuntimeError(
+                "a gradient changed after its all-reduce started: run every backward of a step "
+                "but the last under GradientSync.no_sync(), and call finish() after the last"
+            )
+        bucket.copy_in(slot)
+        self._launch_in_order()
+
+    def _launch_in_order(self, force: bool = False) -> None:
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if force:
+                for slot, ready in enumerate(bucket.ready):
+                    if not ready:
+                        bucket.copy_in(slot)
+            elif not all(bucket.ready):
+                return
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+            self._next_launch += 1
+
+    def finish(self) -> None:
+        """After the last backward of a step: every gradient becomes the synchronized one."""
+        if self.dims.dp == 1:
+            return
+        # 1. Launch the buckets backward did not complete (no_sync steps, unused parameters).
+        self._launch_in_order(force=True)
+        # 2. Experts without replicas only need the division (their sum happened in the a2a).
+        for param in self._divide_only:
+            if param.grad is not None:
+                param.grad.div_(self.dims.dp)
+        # 3. Wait, divide, copy back; reset for the next step.
+        for bucket in self._buckets:
+            bucket.work.wait()
+            bucket.flat.div_(self.dims.dp)
+            for slot, param in enumerate(bucket.params):
+                if param.grad is None:
+                    param.grad = bucket.view(slot).clone()
+                else:
+                    param.grad.copy_(bucket.view(slot))
+            bucket.work, bucket.ready = None, [False] * len(bucket.params)
+        self._next_launch = 0
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+def all_reduce_stats(
+    tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], dims: ParallelDims
+) -> Mapping[str, torch.Tensor] | Sequence[torch.Tensor]:
+    """Sum device tensors over dp IN PLACE (one all-reduce per dtype) and return them. For
+    statistics: expert load at log time, per-step counts for the aux-loss-free bias. A collective
+    that every dp rank must join; no host sync."""
+    values = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
+    if dims.dp_group is None:
+        return tensors
+    for dtype in dict.fromkeys(v.dtype for v in values):
+        members = [v for v in values if v.dtype == dtype]
+        flat = torch.cat([v.detach().reshape(-1) for v in members])
+        dist.all_reduce(flat, group=dims.dp_group)
+        with torch.no_grad():
+            for v, part in zip(members, flat.split([v.numel() for v in members]), strict=True):
+                v.copy_(part.view_as(v))
+    return tensors
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
+    """FSDP2 baseline: shard every block, then the root (embedding, final norm, head), over dp.
+    Expert weights differ across ep ranks, so each experts module is sharded over edp on its
+    own, with gradient divide factor dp (sum over edp, divide by dp, as in GradientSync)."""
+    if dims.dp == 1:
+        return
+    for block in model.blocks.values():
+        if isinstance(block.ffn, MoELayer) and dims.ep > 1:
+            fully_shard(block.ffn.experts, mesh=dims.mesh["edp"])
+            block.ffn.experts.set_gradient_divide_factor(float(dims.dp))
+        fully_shard(block, mesh=dims.dp_mesh)
+    fully_shard(model, mesh=dims.dp_mesh)

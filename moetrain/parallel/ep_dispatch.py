@@ -1,0 +1,289 @@
+"""Expert-parallel dispatchers: send each (token, k) route to the rank that owns its expert.
+
+Letters: T tokens, K top-k, N = T*K routes, D model dim, E global experts, G ranks of the
+expert-parallel group, e = E / G local experts; in count tensors s = source rank, d = destination
+rank, x = local expert (global expert = d * e + x). Rank g owns experts [g*e, (g+1)*e).
+
+Both classes implement `moetrain.moe.dispatch.Dispatcher`: `dispatch` returns rows grouped by
+LOCAL expert with int32 cumulative end offsets, `combine` returns y_TD = sum_k w_tk * y(route tk),
+and both are differentiable (the backward of each all-to-all is the reverse all-to-all).
+- `AllToAllDispatcher` (baseline, dropless): exact variable splits; the one host sync reads split
+  sizes in `_sync_split_sizes`.
+- `NoSyncDispatcher`: every shape is fixed by (T, K, G, capacity) before the step, every decision
+  is computed on device, the transport moves fixed blocks. Dropped routes contribute zero.
+Statistics count training forwards only: not under no_grad (evaluation), and not during
+activation-checkpoint recomputation (see `recomputing`), so each route counts once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.distributed import ProcessGroup
+
+from moetrain.moe.balance import count_tokens_per_expert
+from moetrain.moe.dispatch import weighted_sum_of_routes
+from moetrain.moe.recompute import is_recomputing
+from moetrain.moe.router import RoutingResult
+from moetrain.parallel.comm import all_gather_counts, all_to_all, all_to_all_counts, group_size
+
+
+def _positions_within_expert(ids_N: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """For each route, how many earlier routes (in token order) chose the same expert. A stable
+    sort keeps token order inside each expert; no data-dependent shapes."""
+    order_N = torch.argsort(ids_N, stable=True)
+    sorted_rank_N = torch.empty_like(order_N)
+    sorted_rank_N[order_N] = torch.arange(ids_N.numel(), device=ids_N.device)
+    first_E = counts_E.cumsum(0) - counts_E
+    return sorted_rank_N - first_E[ids_N]
+
+
+def _expert_major_index(
+    counts_Ge: torch.Tensor, start_Ge: torch.Tensor, num_rows: int, sink_row: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Received rows arrive source-major: the rows from source s for local expert x start at row
+    start_Ge[s, x] and number counts_Ge[s, x]. Returns, for each of `num_rows` expert-major
+    positions (expert x, then source s, then arrival order), the received row to read, plus the
+    cumulative end offsets per local expert. Positions past the last offset read `sink_row`."""
+    G, e = counts_Ge.shape
+    len_eG = counts_Ge.T.reshape(-1)
+    end_eG = len_eG.cumsum(0)
+    m_M = torch.arange(num_rows, device=counts_Ge.device)
+    segment_M = torch.searchsorted(end_eG, m_M, right=True)
+    valid_M = segment_M < e * G
+    segment_M = segment_M.clamp(max=e * G - 1)
+    x_M, s_M = segment_M // G, segment_M % G
+    row_M = start_Ge[s_M, x_M] + m_M - (end_eG - len_eG)[segment_M]
+    offsets_e = counts_Ge.sum(0).cumsum(0).to(torch.int32)
+    return torch.where(valid_M, row_M, sink_row), offsets_e
+
+
+def _inverse_index(index_M: torch.Tensor, valid_M: torch.Tensor | None, size: int) -> torch.Tensor:
+    """inverse[index_M[m]] = m for valid m; rows nobody points at get 0. Unique scatter targets
+    (invalid m go to private slots past `size`), so the result is deterministic."""
+    m_M = torch.arange(index_M.numel(), device=index_M.device)
+    if valid_M is not None:
+        index_M = torch.where(valid_M, index_M, size + m_M)
+    inverse = torch.zeros(size + index_M.numel(), dtype=torch.int64, device=index_M.device)
+    return inverse.scatter_(0, index_M, m_M)[:size]
+
+
+# ---- AllToAllDispatcher ---------------------------------------------------------------------
+
+
+@dataclass
+class AllToAllHandle:
+    inverse_order_TK: torch.Tensor  # position of each route in the sorted send rows
+    weights_TK: torch.Tensor
+    recv_to_expert_major_R: torch.Tensor  # position in rows_ND of each received row
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+def _sync_split_sizes(
+    send_counts_G: torch.Tensor, recv_counts_G: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """THE host sync of the baseline: a variable-split all-to-all needs its sizes on the host."""
+    sizes = torch.cat([send_counts_G, recv_counts_G]).tolist()
+    return sizes[: len(sizes) // 2], sizes[len(sizes) // 2 :]
+
+
+class AllToAllDispatcher:
+    """Sort routes by global expert (which groups them by destination rank), exchange counts,
+    sync split sizes to the host, move exactly the routed rows, and reorder the received rows
+    expert-major. Dropless; `moe.capacity_factor` applies to NoSyncDispatcher only."""
+
+    def __init__(self, num_experts: int, group: ProcessGroup | None) -> None:
+        self.group, self.num_experts = group, num_experts
+        self.num_ranks = group_size(group)
+        assert num_experts % self.num_ranks == 0
+        self.num_local = num_experts // self.num_ranks
+
+    def dispatch(
+        self, x_TD: torch.Tensor, routing: RoutingResult
+    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+        G, e = self.num_ranks, self.num_local
+        T, K = routing.expert_ids_TK.shape
+        ids_N = routing.expert_ids_TK.reshape(-1)
+        # 1. Sort routes by global expert: rank d's rows are contiguous, in local-expert order.
+        order_N = torch.argsort(ids_N, stable=True)
+        send_ND = x_TD[order_N // K]
+        inverse_order_N = torch.empty_like(order_N)
+        inverse_order_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+        # 2. Exchange counts: recv_counts_Ge[s, x] = routes from rank s to my local expert x.
+        send_counts_E = count_tokens_per_expert(ids_N, self.num_experts)
+        recv_counts_Ge = all_to_all_counts(send_counts_E, self.group)
+        # 3. The host sync, then 4. move the rows.
+        send_splits, recv_splits = _sync_split_sizes(
+            send_counts_E.view(G, e).sum(1), recv_counts_Ge.sum(1)
+        )
+        recv_RD = all_to_all(send_ND, self.group, recv_splits, send_splits)
+        # 5. Source-major -> expert-major (a permutation: nothing is padding).
+        num_recv = sum(recv_splits)
+        start_Ge = (recv_counts_Ge.reshape(-1).cumsum(0) - recv_counts_Ge.reshape(-1)).view(G, e)
+        recv_row_R, offsets_e = _expert_major_index(recv_counts_Ge, start_Ge, num_recv, 0)
+        handle = AllToAllHandle(
+            inverse_order_TK=inverse_order_N.view(T, K),
+            weights_TK=routing.weights_TK,
+            recv_to_expert_major_R=_inverse_index(recv_row_R, None, num_recv),
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+        )
+        return recv_RD[recv_row_R], offsets_e, handle
+
+    def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        y_recv_RD = y_ND[handle.recv_to_expert_major_R]
+        y_sorted_ND = all_to_all(y_recv_RD, self.group, handle.send_splits, handle.recv_splits)
+        return weighted_sum_of_routes(y_sorted_ND[handle.inverse_order_TK], handle.weights_TK)
+
+    def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
+        return {}  # dropless, no padding: nothing to report
+
+
+# ---- NoSyncDispatcher -----------------------------------------------------------------------
+
+
+class Transport(Protocol):
+    def exchange(self, send_RD: torch.Tensor) -> torch.Tensor:
+        """`send_RD` is G equal blocks, block g bound for rank g. Returns the G received blocks
+        (block g from rank g) followed by one zero sink row. Differentiable."""
+        ...
+
+
+class AllToAllTransport:
+    """Fixed blocks over an equal-split all_to_all_single (portable: NCCL and gloo). A group of
+    one keeps the blocks in place (one copy, to append the sink row)."""
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+
+    def exchange(self, send_RD: torch.Tensor) -> torch.Tensor:
+        return all_to_all(send_RD, self.group, sink_rows=1)
+
+
+def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int) -> torch.Tensor:
+    """The keep rule, identical on every rank. counts_sdx[s, d, x] routes go from source s to
+    local expert x of rank d; returns how many of them are kept (the first ones in token order).
+    (a) Expert capacity: expert (d, x) takes routes source by source in rank order, then token
+        order, up to `expert_capacity`.
+    (b) Block capacity: the (s -> d) block takes the survivors of (a) expert by expert, then in
+        token order, up to `block_rows`.
+    Tail-dropping in this fixed order (expert, source rank, token position) is a pure function
+    of the shared count matrix: static shapes, no host sync."""
+    before_sdx = counts_sdx.cumsum(0) - counts_sdx
+    fits_expert_sdx = (expert_capacity - before_sdx).clamp(min=0).minimum(counts_sdx)
+    before_in_block_sdx = fits_expert_sdx.cumsum(2) - fits_expert_sdx
+    return (block_rows - before_in_block_sdx).clamp(min=0).minimum(fits_expert_sdx)
+
+
+@dataclass
+class NoSyncHandle:
+    send_row_TK: torch.Tensor  # row of each route in the send buffer; dropped: the sink row
+    recv_to_expert_major_R: torch.Tensor  # position in rows_ND of each received row
+    weights_TK: torch.Tensor
+
+
+class NoSyncDispatcher:
+    """GPU-resident dispatch (DESIGN.md): count, share counts, decide, move fixed blocks, compute,
+    return. Every rank must call it with the same T (training micro-batches do); evaluation with
+    ragged batches should use AllToAllDispatcher."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        group: ProcessGroup | None,
+        ep_rank: int,
+        capacity_factor: float | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self.group, self.num_experts, self.ep_rank = group, num_experts, ep_rank
+        self.num_ranks = group_size(group)
+        assert num_experts % self.num_ranks == 0 and 0 <= ep_rank < self.num_ranks
+        self.num_local = num_experts // self.num_ranks
+        self.capacity_factor = capacity_factor
+        self.transport = transport if transport is not None else AllToAllTransport(group)
+        self._stats: torch.Tensor | None = None  # device [dropped routes, receive rows used]
+        self._routes = self._rows_allocated = 0  # host-known totals since the last read
+
+    def capacities(self, num_tokens: int, top_k: int) -> tuple[int, int]:
+        """(expert_capacity, block_rows), host integers fixed by the shapes. A token routes to an
+        expert at most once, so one source sends at most T*min(K, e) rows to one rank: dropless
+        blocks use that worst case, and no capacity is ever tighter than it."""
+        G, T, K = self.num_ranks, num_tokens, top_k
+        worst_block = T * min(K, self.num_local)
+        if self.capacity_factor is None:
+            return G * T, worst_block
+        cf = self.capacity_factor
+        expert_capacity = math.ceil(round(cf * G * T * K / self.num_experts, 6))
+        return expert_capacity, min(math.ceil(round(cf * T * K / G, 6)), worst_block)
+
+    def dispatch(
+        self, x_TD: torch.Tensor, routing: RoutingResult
+    ) -> tuple[torch.Tensor, torch.Tensor, NoSyncHandle]:
+        G, e, me = self.num_ranks, self.num_local, self.ep_rank
+        T, K = routing.expert_ids_TK.shape
+        expert_capacity, B = self.capacities(T, K)
+        R = G * B  # rows of the send and of the receive buffer; row R is the sink
+        ids_N = routing.expert_ids_TK.reshape(-1)
+        device = ids_N.device
+
+        # 1. Count this rank's routes per global expert.
+        counts_E = count_tokens_per_expert(ids_N, self.num_experts)
+        # 2. Share: every rank gets the same [G, E] matrix.
+        counts_sdx = all_gather_counts(counts_E, self.group).view(G, G, e)
+        # 3. Decide: kept counts, block layout, then each of my routes' destination row.
+        kept_sdx = keep_counts(counts_sdx, expert_capacity, B)
+        block_start_sdx = kept_sdx.cumsum(2) - kept_sdx
+        pos_N = _positions_within_expert(ids_N, counts_E)
+        keep_N = pos_N < kept_sdx[me].reshape(-1)[ids_N]
+        send_row_N = (ids_N // e) * B + block_start_sdx[me].reshape(-1)[ids_N] + pos_N
+        send_row_N = torch.where(keep_N, send_row_N, R)
+        # 4. Move: write routes into their blocks (padding rows carry token 0; nobody reads them
+        #    and their gradient is zero), exchange fixed blocks.
+        token_of_row_R = _inverse_index(send_row_N, keep_N, R) // K
+        recv_RD = self.transport.exchange(x_TD[token_of_row_R])
+        # 5. One gather into expert-major order; positions past the last offset read the sink.
+        start_sx = torch.arange(G, device=device)[:, None] * B + block_start_sdx[:, me, :]
+        recv_row_R, offsets_e = _expert_major_index(kept_sdx[:, me, :], start_sx, R, sink_row=R)
+        rows_RD = recv_RD[recv_row_R]
+        handle = NoSyncHandle(
+            send_row_TK=send_row_N.view(T, K),
+            recv_to_expert_major_R=_inverse_index(recv_row_R, recv_row_R < R, R),
+            weights_TK=routing.weights_TK,
+        )
+        if torch.is_grad_enabled() and not is_recomputing():  # training forwards, once each
+            self._record(keep_N, offsets_e, R)
+        return rows_RD, offsets_e, handle
+
+    def combine(self, y_RD: torch.Tensor, handle: NoSyncHandle) -> torch.Tensor:
+        # 6. Reverse movement, then the weighted sum; dropped routes read the zero sink row.
+        y_back_RD = self.transport.exchange(y_RD[handle.recv_to_expert_major_R])
+        return weighted_sum_of_routes(y_back_RD[handle.send_row_TK], handle.weights_TK)
+
+    @torch.no_grad()
+    def _record(self, keep_N: torch.Tensor, offsets_e: torch.Tensor, rows_allocated: int) -> None:
+        if self._stats is None:
+            self._stats = torch.zeros(2, dtype=torch.int64, device=keep_N.device)
+        dropped = keep_N.numel() - keep_N.sum()
+        self._stats += torch.stack([dropped, offsets_e[-1].to(torch.int64)])
+        self._routes += keep_N.numel()
+        self._rows_allocated += rows_allocated
+
+    @torch.no_grad()
+    def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
+        """Device tensors since the last read: `dropped_routes` (this rank's routes), their
+        fraction `drop_fraction`, and `buffer_utilization` (receive rows used / allocated)."""
+        if self._stats is None:
+            return {}
+        stats = {
+            "dropped_routes": self._stats[0].clone(),
+            "drop_fraction": self._stats[0].double() / max(self._routes, 1),
+            "buffer_utilization": self._stats[1].double() / max(self._rows_allocated, 1),
+        }
+        if reset:
+            self._stats.zero_()
+            self._routes = self._rows_allocated = 0
+        return stats

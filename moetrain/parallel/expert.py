@@ -1,0 +1,118 @@
+"""Expert parallelism as a model transform: keep this rank's slice of experts, swap the dispatcher.
+
+`apply_ep` leaves every name and every non-expert tensor alone. Each MoE layer keeps experts
+[ep_rank * e, (ep_rank + 1) * e) with e = num_experts / ep: on the meta device the expert
+parameters are re-created with e rows, on a materialized model they are sliced (copied, so the
+global tensors can be freed). `experts.expert_offset` records the global id of local expert 0,
+which `init_weights` and checkpoints use to name experts globally. The router stays global.
+Build optimizers after parallelizing: the expert parameters are new objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from moetrain.config import RunConfig
+from moetrain.moe.dispatch import Dispatcher, LocalDispatcher
+from moetrain.moe.layer import MoELayer
+from moetrain.optim.param_groups import param_kind
+from moetrain.parallel.ep_dispatch import AllToAllDispatcher, NoSyncDispatcher
+from moetrain.parallel.mesh import ParallelDims
+
+
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights: sharded over ep, replicated (and gradient-reduced) over edp."""
+    return param_kind(name) == "expert"
+
+
+def resolve_dispatcher(config: RunConfig, dims: ParallelDims) -> str:
+    """moe.dispatcher "auto": local without expert parallelism, else no_sync on cuda and
+    all_to_all elsewhere (gloo runs the portable baseline)."""
+    choice = config.moe.dispatcher
+    if choice == "auto":
+        if dims.ep == 1:
+            return "local"
+        return "no_sync" if dims.device.type == "cuda" else "all_to_all"
+    if choice == "local" and dims.ep > 1:
+        raise ValueError(
+            f"moe.dispatcher ('local') cannot move tokens between ranks; parallel.ep is {dims.ep}:"
+            " use auto, all_to_all or no_sync"
+        )
+    return choice
+
+
+def make_dispatcher(config: RunConfig, dims: ParallelDims) -> Dispatcher:
+    kind = resolve_dispatcher(config, dims)
+    num_experts = config.moe.num_experts
+    if kind == "local":
+        return LocalDispatcher()
+    if kind == "all_to_all":
+        return AllToAllDispatcher(num_experts, dims.ep_group)
+    return NoSyncDispatcher(num_experts, dims.ep_group, dims.ep_rank, config.moe.capacity_factor)
+
+
+def apply_ep(model: nn.Module, dims: ParallelDims, config: RunConfig) -> None:
+    """Shard every MoE layer's experts over the ep axis and install the configured dispatcher
+    (one instance per layer: dispatchers keep per-layer statistics)."""
+    num_experts = config.moe.num_experts
+    if num_experts % dims.ep:
+        raise ValueError(f"parallel.ep ({dims.ep}) must divide moe.num_experts ({num_experts})")
+    num_local = num_experts // dims.ep
+    offset = dims.ep_rank * num_local
+    for layer in model.modules():
+        if not isinstance(layer, MoELayer):
+            continue
+        experts = layer.experts
+        if experts.num_experts != num_local:
+            assert experts.num_experts == num_experts, "apply_ep runs once, on a global model"
+            for name in ("w_up_eD2F", "w_down_eFD"):
+                full = getattr(experts, name)
+                local = full.detach()[offset : offset + num_local].clone()
+                setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
+            experts.num_experts = num_local
+        experts.expert_offset = offset
+        layer.dispatcher = make_dispatcher(config, dims)
+
+
+def read_dispatch_stats(model: nn.Module, reset: bool = True) -> dict[str, torch.Tensor]:
+    """Per-layer dispatcher statistics as device tensors, keyed "<module name>.<stat>"
+    (e.g. "blocks.3.ffn.dropped_routes"). Layers whose dispatcher keeps none are skipped."""
+    stats: dict[str, torch.Tensor] = {}
+    for name, layer in model.named_modules():
+        read = getattr(getattr(layer, "dispatcher", None), "read_stats", None)
+        if isinstance(layer, MoELayer) and read is not None:
+            for key, value in read(reset=reset).items():
+                stats[f"{name}.{key}"] = value
+    return stats
+
+
+def globalize_experts(state: dict[str, Any], dims: ParallelDims) -> dict[str, Any]:
+    """For checkpoints: wrap this rank's expert slices as DTensors on the (edp, ep) mesh, sharded
+    over ep along the expert dim and replicated over edp, so DCP records global names and global
+    shapes and can load them into any other layout. Nested dicts (optimizer state keyed by
+    parameter name) are walked; entries under an expert name are wrapped. Identity when ep == 1."""
+    if dims.ep == 1:
+        return state
+    mesh = dims.mesh["edp", "ep"]
+    placements = [Replicate(), Shard(0)]
+
+    def wrap(name: str, value: Any, under_expert: bool) -> Any:
+        expert = under_expert or is_expert_param(name)
+        if isinstance(value, dict):
+            return {k: wrap(k, v, expert) for k, v in value.items()}
+        if expert and isinstance(value, torch.Tensor) and value.dim() == 3:
+            return DTensor.from_local(value, mesh, placements, run_check=False)
+        return value
+
+    return {k: wrap(k, v, False) for k, v in state.items()}
+
+
+def localize(state: Any) -> Any:
+    """The inverse of `globalize_experts`: DTensors back to this rank's local tensors."""
+    if isinstance(state, dict):
+        return {k: localize(v) for k, v in state.items()}
+    return state.to_local() if isinstance(state, DTensor) else state

@@ -1,0 +1,221 @@
+"""Expert-parallel dispatchers against one-process references written as plain loops.
+
+Experts in these tests are "scale by (global expert id + 1)", so every output names the expert
+that produced it. Every rank builds the whole group's inputs from one seed, so each rank can run
+the reference for all ranks without communication.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_distributed
+
+from moetrain.moe.balance import count_tokens_per_expert
+from moetrain.moe.dispatch import LocalDispatcher
+from moetrain.moe.experts import GroupedExperts
+from moetrain.moe.router import RoutingResult
+from moetrain.parallel.ep_dispatch import AllToAllDispatcher, NoSyncDispatcher, keep_counts
+
+T, K, D, E = 12, 2, 8, 8
+
+
+def make_routing(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> RoutingResult:
+    zero = torch.zeros(())
+    return RoutingResult(
+        expert_ids_TK=ids_TK,
+        weights_TK=weights_TK,
+        tokens_per_expert_E=count_tokens_per_expert(ids_TK, E),
+        probs_TE=torch.full((ids_TK.shape[0], E), 1.0 / E),
+        lb_loss=zero,
+        z_loss=zero,
+    )
+
+
+def group_inputs(num_ranks: int, seed: int, skew: float = 0.0):
+    """x [G, T, D], distinct expert ids [G, T, K] (skew > 0 favours low expert ids), weights
+    [G, T, K] summing to one per token."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_ranks, T, D, generator=generator)
+    probs_E = torch.exp(-skew * torch.arange(E, dtype=torch.float32))
+    ids = torch.multinomial(probs_E.expand(num_ranks * T, E), K, generator=generator)
+    weights = torch.rand(num_ranks, T, K, generator=generator) + 0.1
+    return x, ids.view(num_ranks, T, K), weights / weights.sum(-1, keepdim=True)
+
+
+def scale_experts(rows_ND: torch.Tensor, offsets_e: torch.Tensor, expert_offset: int):
+    """Expert g multiplies its rows by g + 1 (rows past the last offset are padding)."""
+    local_N = torch.searchsorted(offsets_e, torch.arange(rows_ND.shape[0]), right=True)
+    return rows_ND * (expert_offset + local_N + 1).to(rows_ND.dtype)[:, None]
+
+
+def reference_keep(ids: torch.Tensor, num_ranks: int, expert_capacity: int, block_rows: int):
+    """The tail-drop rule as loops: expert capacity (sources in rank order, then tokens), then
+    block capacity per (source, destination) (experts in order, then tokens). Returns the routes
+    within their expert's capacity and the routes finally kept, both [G, T, K]."""
+    e = E // num_ranks
+    fits = torch.zeros(ids.shape, dtype=torch.bool)
+    taken = [0] * E
+    for s in range(num_ranks):
+        for t in range(T):
+            for k in range(K):
+                g = int(ids[s, t, k])
+                if taken[g] < expert_capacity:
+                    fits[s, t, k] = True
+                    taken[g] += 1
+    keep = torch.zeros(ids.shape, dtype=torch.bool)
+    for s in range(num_ranks):
+        for d in range(num_ranks):
+            used = 0
+            for g in range(d * e, (d + 1) * e):
+                for t in range(T):
+                    for k in range(K):
+                        if ids[s, t, k] == g and fits[s, t, k] and used < block_rows:
+                            keep[s, t, k] = True
+                            used += 1
+    return fits, keep
+
+
+def test_keep_counts_matches_the_loop_rule():
+    generator = torch.Generator().manual_seed(0)
+    for num_ranks, cap, block in ((2, 5, 7), (4, 3, 4), (2, 100, 3), (1, 2, 5)):
+        x, ids, w = group_inputs(
+            num_ranks, seed=int(torch.randint(100, (1,), generator=generator)), skew=0.5
+        )
+        _, keep = reference_keep(ids, num_ranks, cap, block)
+        e = E // num_ranks
+        counts_sdx = torch.stack([count_tokens_per_expert(ids[s], E) for s in range(num_ranks)])
+        kept = keep_counts(counts_sdx.view(num_ranks, num_ranks, e), cap, block)
+        expected = torch.stack(
+            [count_tokens_per_expert(ids[s][keep[s]], E) for s in range(num_ranks)]
+        )
+        assert torch.equal(kept.view(num_ranks, E), expected)
+
+
+def test_no_sync_at_ep1_matches_local_dispatch_without_host_syncs(monkeypatch):
+    """The real NoSync code path at ep=1 (transport = identity): same outputs and gradients as
+    LocalDispatcher with real grouped experts, and not one host read of device data."""
+    x, ids, w = group_inputs(1, seed=1)
+    experts = GroupedExperts(E, D, 16)
+    torch.nn.init.normal_(experts.w_up_eD2F, std=0.2)
+    torch.nn.init.normal_(experts.w_down_eFD, std=0.2)
+    grad_TD = torch.randn(T, D)
+
+    def run(dispatcher):
+        x_TD, w_TK = x[0].clone().requires_grad_(), w[0].clone().requires_grad_()
+        rows, offsets, handle = dispatcher.dispatch(x_TD, make_routing(ids[0], w_TK))
+        y_TD = dispatcher.combine(experts(rows, offsets), handle)
+        y_TD.backward(grad_TD)
+        return y_TD.detach(), x_TD.grad, w_TK.grad
+
+    expected = run(LocalDispatcher())
+
+    def no_host_sync(*args, **kwargs):
+        raise AssertionError("host sync in NoSyncDispatcher")
+
+    for name in ("item", "tolist", "nonzero", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, no_host_sync)
+    actual = run(NoSyncDispatcher(E, None, 0))
+    monkeypatch.undo()
+    for a, b in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+class CountCalls:
+    """Counts calls of torch.distributed collectives and Tensor.tolist while active."""
+
+    NAMES = ("all_to_all_single", "all_gather_single")
+
+    def __enter__(self):
+        self.counts = dict.fromkeys((*self.NAMES, "tolist"), 0)
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+        self.saved_tolist = torch.Tensor.tolist
+        for name in self.NAMES:
+            setattr(dist, name, self._wrap(name, self.saved[name]))
+        torch.Tensor.tolist = self._wrap("tolist", self.saved_tolist)
+        return self
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            self.counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+        torch.Tensor.tolist = self.saved_tolist
+        return False
+
+
+def _dispatch_world2(rank, world_size):
+    group = dist.new_group([0, 1])
+    G, e = world_size, E // world_size
+    make = {
+        "all_to_all": lambda cf: AllToAllDispatcher(E, group),
+        "no_sync": lambda cf: NoSyncDispatcher(E, group, rank, capacity_factor=cf),
+    }
+    # 1. Identity experts and weights summing to one: combine(dispatch(x)) == x. The rows each
+    #    rank receives are, expert by expert, source by source, in token order, the routed tokens.
+    x, ids, w = group_inputs(G, seed=7)
+    for kind in ("all_to_all", "no_sync"):
+        dispatcher = make[kind](None)
+        rows, offsets, handle = dispatcher.dispatch(x[rank], make_routing(ids[rank], w[rank]))
+        expected_rows = [
+            x[s, t]
+            for g in range(rank * e, (rank + 1) * e)
+            for s in range(G)
+            for t in range(T)
+            if g in ids[s, t]
+        ]
+        routes_E = count_tokens_per_expert(ids.view(-1, K), E)
+        assert torch.equal(offsets.long(), routes_E[rank * e : (rank + 1) * e].cumsum(0)), kind
+        torch.testing.assert_close(rows[: len(expected_rows)], torch.stack(expected_rows))
+        torch.testing.assert_close(dispatcher.combine(rows, handle), x[rank], rtol=1e-6, atol=1e-6)
+
+    # 2. Scaling experts, forward and backward, against the loop reference, dropless and with
+    #    capacity factors small enough that both the expert and the block limits drop routes.
+    for kind, cf, skew in (
+        ("all_to_all", None, 0.6),
+        ("no_sync", None, 0.6),
+        ("no_sync", 1.0, 0.6),
+        ("no_sync", 0.5, 0.3),
+    ):
+        x, ids, w = group_inputs(G, seed=11, skew=skew)
+        dispatcher = make[kind](cf)
+        x_TD, w_TK = x[rank].clone().requires_grad_(), w[rank].clone().requires_grad_()
+        grad_TD = torch.randn(T, D, generator=torch.Generator().manual_seed(rank))
+        with CountCalls() as calls:
+            rows, offsets, handle = dispatcher.dispatch(x_TD, make_routing(ids[rank], w_TK))
+            y_TD = dispatcher.combine(scale_experts(rows, offsets, rank * e), handle)
+            y_TD.backward(grad_TD)
+        if kind == "no_sync":
+            assert calls.counts == {"all_to_all_single": 4, "all_gather_single": 1, "tolist": 0}
+            expert_capacity, block_rows = dispatcher.capacities(T, K)
+            fits, keep = reference_keep(ids, G, expert_capacity, block_rows)
+            if cf is not None:  # both limits drop routes somewhere in the group
+                assert (~fits).any() and (fits & ~keep).any(), f"cf={cf} does not exercise both"
+        else:  # one counts exchange, rows there and back, the same twice in backward
+            assert calls.counts == {"all_to_all_single": 5, "all_gather_single": 0, "tolist": 1}
+            keep = torch.ones(ids.shape, dtype=torch.bool)
+        x_ref, w_ref = x[rank].clone().requires_grad_(), w[rank].clone().requires_grad_()
+        scale_TK = (ids[rank] + 1).float() * keep[rank]
+        y_ref = ((w_ref * scale_TK).sum(-1, keepdim=True)) * x_ref
+        y_ref.backward(grad_TD)
+        what = f"{kind} cf={cf}"
+        torch.testing.assert_close(y_TD.detach(), y_ref.detach(), msg=what)
+        torch.testing.assert_close(x_TD.grad, x_ref.grad, msg=what)
+        torch.testing.assert_close(w_TK.grad, w_ref.grad, msg=what)
+        if kind == "no_sync":
+            stats = dispatcher.read_stats()
+            assert int(stats["dropped_routes"]) == int((~keep[rank]).sum()), what
+            rows_used = sum(int((ids[s][keep[s]] // e == rank).sum()) for s in range(G))
+            assert float(stats["buffer_utilization"]) == pytest.approx(rows_used / (G * block_rows))
+    return True
+
+
+@pytest.mark.distributed
+def test_dispatchers_world2():
+    assert run_distributed(_dispatch_world2, 2) == [True, True]

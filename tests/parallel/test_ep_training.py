@@ -1,0 +1,215 @@
+"""Expert + data parallel training equals one process accumulating every rank's micro-batches.
+
+Each case builds the model the trainer's way (meta -> parallelize -> to_empty -> init_weights),
+checks that the experts it holds are the ep=1 model's global experts, then runs 3 AdamW steps and
+compares, at every step, each rank's loss and every synchronized gradient with a single-process
+reference (LocalDispatcher, gradient accumulation over the dp ranks' micro-batches, each with its
+own load-balancing loss). Several cases share one spawned process group to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_distributed
+
+from moetrain.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from moetrain.model.transformer import Transformer, build_model
+from moetrain.parallel import GradientSync, init_distributed, is_expert_param, parallelize
+from moetrain.parallel.expert import read_dispatch_stats
+
+pytestmark = pytest.mark.distributed
+
+STEPS, BATCH, SEQ, VOCAB = 3, 2, 16, 64
+
+
+def tiny_config(dp: int, ep: int, dispatcher: str, **parallel) -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, dispatcher=dispatcher),
+        parallel=ParallelConfig(dp=dp, ep=ep, **parallel),
+        train=TrainConfig(seq_len=SEQ, micro_batch_size=BATCH, seed=3),
+    )
+
+
+def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, what: str, rel=1e-5) -> None:
+    """max |actual - expected| <= rel * max |expected| (fp32 summation orders differ)."""
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err <= rel * scale + 1e-12, f"{what}: max error {err:.3e}, scale {scale:.3e}"
+
+
+def make_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    # AdamW divides each element by its own gradient scale, so elements whose gradient is near
+    # rounding level move by about lr either way: a small lr keeps that fp32 noise within the
+    # 1e-5 tolerance over the 3 steps.
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+
+
+def run_case(config: RunConfig, accum: int = 1, bucket_mb: float = 25.0) -> None:
+    dims = init_distributed(config)
+    dp, ep = dims.dp, dims.ep
+    # Build the trainer's way, and a single-process reference from the same seed.
+    with torch.device("meta"):
+        model = Transformer(config)
+    parallelize(model, config, dims)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    reference = build_model(dataclasses.replace(config, parallel=ParallelConfig()))
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        expected = ref_params[name].detach()
+        if is_expert_param(name) and dims.ep_group is not None:
+            shards = [torch.empty_like(param) for _ in range(ep)]
+            dist.all_gather(shards, param.detach().contiguous(), group=dims.ep_group)
+            assert torch.equal(torch.cat(shards), expected), f"global experts of {name}"
+        else:
+            assert torch.equal(param.detach(), expected), name
+
+    sync = GradientSync(model, dims, bucket_mb=bucket_mb)
+    opt, ref_opt = make_adamw(model), make_adamw(reference)
+    generator = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (STEPS, accum, dp, BATCH, SEQ + 1), generator=generator)
+    for layer in model.moe_layers():
+        layer.aux_grad_scale = 1.0 / accum
+    for layer in reference.moe_layers():
+        layer.aux_grad_scale = 1.0 / (accum * dp)
+
+    for step in range(STEPS):
+        # Reference: accumulate over every micro-batch of every dp rank.
+        ref_losses = torch.zeros(accum, dp)
+        for micro in range(accum):
+            for rank in range(dp):
+                batch = tokens[step, micro, rank]
+                loss = reference.loss(reference(batch[:, :-1]), batch[:, 1:])
+                (loss / (accum * dp)).backward()
+                ref_losses[micro, rank] = loss.detach()
+        # This rank: its own micro-batches, synchronized once.
+        for micro in range(accum):
+            batch = tokens[step, micro, dims.dp_rank]
+            with sync.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
+                (loss / accum).backward()
+            assert_close_rel(loss.detach(), ref_losses[micro, dims.dp_rank], f"loss {step}")
+        sync.finish()
+        for name, param in model.named_parameters():
+            expected = ref_params[name].grad
+            if is_expert_param(name):
+                offset = model.get_submodule(name.rsplit(".", 1)[0]).expert_offset
+                expected = expected[offset : offset + param.shape[0]]
+            assert_close_rel(param.grad, expected, f"step {step} grad {name}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    # Dispatcher statistics: nothing dropped, and recomputation does not count routes twice.
+    layers = model.moe_layers()
+    if config.moe.dispatcher == "no_sync":
+        routes = sum(layer.dispatcher._routes for layer in layers)
+        assert routes == STEPS * accum * len(layers) * BATCH * SEQ * config.moe.top_k
+        stats = read_dispatch_stats(model)
+        assert sum(int(v) for k, v in stats.items() if k.endswith("dropped_routes")) == 0
+
+
+def _world2(rank, world_size):
+    for dispatcher in ("all_to_all", "no_sync"):
+        run_case(tiny_config(2, 2, dispatcher))
+    # Gradient accumulation with one bucket per parameter, and activation checkpointing.
+    run_case(tiny_config(2, 2, "no_sync"), accum=2, bucket_mb=0.002)
+    run_case(tiny_config(2, 2, "no_sync", activation_checkpointing="moe"))
+    run_case(tiny_config(2, 2, "all_to_all", activation_checkpointing="full"))
+    run_case(tiny_config(2, 1, "auto"), accum=2)  # plain data parallel
+
+
+def _world4(rank, world_size):
+    for ep in (2, 4):
+        for dispatcher in ("all_to_all", "no_sync"):
+            run_case(tiny_config(4, ep, dispatcher))
+
+
+def test_ep_dp_training_matches_single_process_world2():
+    run_distributed(_world2, 2)
+
+
+def test_ep_dp_training_matches_single_process_world4():
+    run_distributed(_world4, 4)
+
+
+def run_fsdp_case(config: RunConfig) -> None:
+    """FSDP2 baseline: shard a materialized model, train, compare with one process."""
+    dims = init_distributed(config)
+    reference = build_model(dataclasses.replace(config, parallel=ParallelConfig()))
+    model = parallelize(
+        build_model(dataclasses.replace(config, parallel=ParallelConfig())), config, dims
+    )
+    ref_params = dict(reference.named_parameters())
+    opt, ref_opt = make_adamw(model), make_adamw(reference)
+    generator = torch.Generator().manual_seed(99)
+    tokens = torch.randint(0, VOCAB, (STEPS, dims.dp, BATCH, SEQ + 1), generator=generator)
+    for layer in reference.moe_layers():
+        layer.aux_grad_scale = 1.0 / dims.dp
+    for step in range(STEPS):
+        ref_losses = []
+        for rank in range(dims.dp):
+            batch = tokens[step, rank]
+            loss = reference.loss(reference(batch[:, :-1]), batch[:, 1:])
+            (loss / dims.dp).backward()
+            ref_losses.append(loss.detach())
+        batch = tokens[step, dims.dp_rank]
+        loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        assert_close_rel(loss.detach(), ref_losses[dims.dp_rank], f"fsdp loss {step}")
+        for name, param in model.named_parameters():
+            expected = ref_params[name].grad
+            if is_expert_param(name):
+                offset = model.get_submodule(name.rsplit(".", 1)[0]).expert_offset
+                expected = expected[offset : offset + config.moe.num_experts // dims.ep]
+            assert_close_rel(param.grad.full_tensor(), expected, f"fsdp step {step} {name}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def _fsdp_world2(rank, world_size):
+    for ep, dispatcher, checkpointing in ((1, "auto", "none"), (2, "all_to_all", "full")):
+        config = tiny_config(
+            2, ep, dispatcher, data_parallel="fsdp", activation_checkpointing=checkpointing
+        )
+        run_fsdp_case(config)
+
+
+def test_fsdp_matches_single_process_world2():
+    run_distributed(_fsdp_world2, 2)
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "dispatcher", "compile"),
+    [("moe", "no_sync", False), ("full", "all_to_all", False), ("moe", "no_sync", True)],
+)
+def test_parallelize_recipe_in_one_process(monkeypatch, checkpointing, dispatcher, compile):
+    """World size 1 runs the same recipe: activation checkpointing (recomputation counts each
+    route once), torch.compile per block, EP dispatchers with the transport skipped."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    config = tiny_config(1, 1, dispatcher, activation_checkpointing=checkpointing, compile=compile)
+    dims = init_distributed(config, device_type="cpu")
+    with torch.device("meta"):
+        model = Transformer(config)
+    parallelize(model, config, dims)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    reference = build_model(config)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    for net in (model, reference):
+        net.loss(net(batch[:, :-1]), batch[:, 1:]).backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert_close_rel(param.grad, ref.grad, name)
+    if dispatcher == "no_sync":
+        for layer in model.moe_layers():
+            assert layer.dispatcher._routes == BATCH * SEQ * config.moe.top_k
