@@ -106,18 +106,30 @@ class SequenceLoader:
         return _split_pair(host_BS1.to(self.device, non_blocking=on_cuda))
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": int(self.epoch), "index": int(self.index)}
+        """Position as (epoch, windows consumed in the epoch): independent of how the windows
+        were grouped into batches, so a run can resume under another world size or batch size
+        as long as the new global batch divides the windows already consumed."""
+        global_batch = self.world_size * self.batch_size
+        return {"epoch": int(self.epoch), "windows": int(self.index) * global_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        epoch, index = state.get("epoch"), state.get("index")
-        if not isinstance(epoch, Integral) or not isinstance(index, Integral) or epoch < 0:
-            raise ValueError(f"loader state {state!r} must hold ints 'epoch' >= 0 and 'index'")
-        if not 0 <= index <= self.batches_per_epoch:
+        epoch, windows = state.get("epoch"), state.get("windows")
+        if not isinstance(epoch, Integral) or not isinstance(windows, Integral) or epoch < 0:
+            raise ValueError(f"loader state {state!r} must hold ints 'epoch' >= 0 and 'windows'")
+        global_batch = self.world_size * self.batch_size
+        if not 0 <= windows <= self.num_windows:
             raise ValueError(
-                f"loader state index ({index}) must be in [0, {self.batches_per_epoch}], the "
-                "batches per epoch of this data, seq_len and global batch"
+                f"loader state windows ({windows}) must be in [0, {self.num_windows}], "
+                "the windows of this data at this seq_len"
             )
-        if index == self.batches_per_epoch:  # the canonical form of "the epoch just ended"
+        if windows % global_batch:
+            raise ValueError(
+                f"cannot resume: the checkpoint consumed {windows} windows of this epoch, not a "
+                f"multiple of this run's global batch of {global_batch} sequences "
+                f"(world size {self.world_size} x batch {self.batch_size})"
+            )
+        index = windows // global_batch
+        if index >= self.batches_per_epoch:  # the epoch just ended (or its tail was dropped)
             epoch, index = epoch + 1, 0
         self.epoch, self.index = int(epoch), int(index)
 

@@ -52,7 +52,7 @@ def test_epoch_visits_every_window_once_and_drops_the_partial_batch(stream):
     assert loader.num_windows == 50 and loader.batches_per_epoch == 6
     seen = [w for inputs, _ in take(loader, 6) for w in window_ids(inputs)]
     assert len(seen) == len(set(seen)) == 24  # this rank's half of 48 windows
-    assert loader.state_dict() == {"epoch": 1, "index": 0}
+    assert loader.state_dict() == {"epoch": 1, "windows": 0}
 
 
 def test_deterministic_given_seed(stream):
@@ -83,16 +83,31 @@ def test_resume_is_bitwise_across_an_epoch_boundary(stream):
     bpe = original.batches_per_epoch
     take(original, bpe - 2)
     state = original.state_dict()
-    assert json.loads(json.dumps(state)) == state == {"epoch": 0, "index": bpe - 2}
+    assert json.loads(json.dumps(state)) == state == {"epoch": 0, "windows": (bpe - 2) * 8}
     expected = take(original, 5)
     resumed = SequenceLoader(stream, SEQ, 4, seed=2, rank=1, world_size=2)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     for (x, y), (rx, ry) in zip(expected, take(resumed, 5), strict=True):
         assert torch.equal(x, rx) and torch.equal(y, ry)
-    assert resumed.state_dict() == original.state_dict() == {"epoch": 1, "index": 3}
-    # "index == batches_per_epoch" is accepted and means the start of the next epoch.
-    resumed.load_state_dict({"epoch": 0, "index": bpe})
-    assert resumed.state_dict() == {"epoch": 1, "index": 0}
+    assert resumed.state_dict() == original.state_dict() == {"epoch": 1, "windows": 3 * 8}
+    # A whole epoch consumed is accepted and means the start of the next epoch.
+    resumed.load_state_dict({"epoch": 0, "windows": bpe * 8})
+    assert resumed.state_dict() == {"epoch": 1, "windows": 0}
+
+
+def test_resume_under_another_world_and_batch_size(stream):
+    """The position is counted in windows, so 2 ranks x 4 can continue as 1 rank x 8 or 4 x 2."""
+    two = [SequenceLoader(stream, SEQ, 4, seed=3, rank=r, world_size=2) for r in range(2)]
+    for loader in two:
+        take(loader, 3)
+    state = two[0].state_dict()
+    expected = torch.cat([next(loader)[0] for loader in two])
+    one = SequenceLoader(stream, SEQ, 8, seed=3)
+    one.load_state_dict(state)
+    assert torch.equal(next(one)[0], expected)
+    odd = SequenceLoader(stream, SEQ, 5, seed=3)
+    with pytest.raises(ValueError, match="not a multiple of this run's global batch of 5"):
+        odd.load_state_dict(state)
 
 
 def test_bad_arguments(stream):
@@ -107,8 +122,8 @@ def test_bad_arguments(stream):
     loader = SequenceLoader(stream, SEQ, 4, seed=0)
     with pytest.raises(ValueError, match="must hold ints 'epoch'"):
         loader.load_state_dict({"step": 3})
-    with pytest.raises(ValueError, match=r"index \(99\) must be in \[0, 12\]"):
-        loader.load_state_dict({"epoch": 0, "index": 99})
+    with pytest.raises(ValueError, match=r"windows \(1000\) must be in \[0, 50\]"):
+        loader.load_state_dict({"epoch": 0, "windows": 1000})
 
 
 def test_random_token_loader():
