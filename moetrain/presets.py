@@ -4,6 +4,8 @@
 `moetrain train` (a few minutes on a 2-core CPU); the others are the exact architectures of
 shared/BENCHMARKS.md: the OLMoE block (qk-norm, RoPE theta 10,000, untied embeddings, softmax
 router without top-k renormalization, SwiGLU experts, every layer MoE, vocabulary 50,304).
+`trillion-1.2t` and `trillion-2.4t` are that block at the reference trillion-scale runs' totals,
+for `moetrain plan` and `moetrain train --dry-run` (docs/plan.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from moetrain.config import (
     DataConfig,
     ModelConfig,
     MoEConfig,
+    ParallelConfig,
     RunConfig,
     TrainConfig,
 )
@@ -135,6 +138,42 @@ def _scale(num_experts: int) -> Callable[[], RunConfig]:
     return preset
 
 
+def _trillion(name: str, num_experts: int) -> RunConfig:
+    return RunConfig(
+        name=name,
+        model=ModelConfig(vocab_size=50304, d_model=7168, num_layers=104, num_heads=56),
+        moe=MoEConfig(
+            num_experts=num_experts,
+            top_k=8,
+            expert_hidden=2048,
+            routing="random",
+            dispatcher="all_to_all",  # exact splits: no padding on the wire (see docs/plan.md)
+        ),
+        parallel=ParallelConfig(pp=8, ep=8, activation_checkpointing="moe"),
+        train=TrainConfig(seq_len=4096, micro_batch_size=1, global_batch_tokens=4096 * 4096),
+    )
+
+
+def trillion_1_2t() -> RunConfig:
+    """The reference trillion-scale run's totals in the OLMoE block: 1.195T parameters, 58.57B
+    active per token (reported: about 1.2T and 58.36B; docs/plan.md has the arithmetic).
+
+    104 layers of d_model 7168, 56 heads of 128 (multi-head, qk-norm), 256 SwiGLU experts of
+    hidden 2048 with top-8 routing in every layer, vocabulary 50,304, untied head; sequences of
+    4096, global batch 4096 sequences (16.8M tokens), random routing as in the reference
+    measurement, the exact-split all-to-all dispatcher (dropless NoSync blocks would carry ep
+    times the rows). Layout: pp 8, ep 8 (all-to-all inside a node), MoE activation checkpointing:
+    on 512 B300 within 2% of the planner's best (`moetrain plan --preset trillion-1.2t --gpus 512
+    --gpu b300`), which is a 64-stage pipeline.
+    """
+    return _trillion("trillion-1.2t", 256)
+
+
+def trillion_2_4t() -> RunConfig:
+    """The reference capacity run's scale: the same model with 512 experts, 2.37T parameters."""
+    return _trillion("trillion-2.4t", 512)
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "demo": demo,
@@ -142,6 +181,8 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "olmoe8": olmoe8,
     "olmoe-1b-7b": olmoe_1b_7b,
     **{f"scale-E{e}": _scale(e) for e in (8, 16, 32, 64, 128)},
+    "trillion-1.2t": trillion_1_2t,
+    "trillion-2.4t": trillion_2_4t,
 }
 
 

@@ -48,8 +48,12 @@ def test_truncated_or_corrupted_checkpoint_is_detected_and_previous_is_used(tmp_
 
 def test_wrong_model_shape_is_a_clear_error(tmp_path):
     manager.save(tmp_path, 1, _state(1), {"step": 1}, "")
-    with pytest.raises(manager.CheckpointError, match=r"model\.w: checkpoint \(64, 64\), this model \(32, 64\)"):
-        manager.load(tmp_path / "step-1", {"model": {"w": torch.zeros(32, 64), "b": torch.zeros(7)}})
+    with pytest.raises(
+        manager.CheckpointError, match=r"model\.w: checkpoint \(64, 64\), this model \(32, 64\)"
+    ):
+        manager.load(
+            tmp_path / "step-1", {"model": {"w": torch.zeros(32, 64), "b": torch.zeros(7)}}
+        )
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):

@@ -1,0 +1,48 @@
+"""Top GPU kernels of one training step of a preset, for finding where time goes.
+
+    python benchmarks/profile_step.py --preset small [--set parallel.compile=true] [--top 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moetrain.bench.harness import bench_config
+from moetrain.bench.phases import classify
+from moetrain.presets import get_preset
+from moetrain.train.trainer import Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--optimizer", default="mixed")
+    parser.add_argument("--top", type=int, default=40)
+    args = parser.parse_args()
+    config = bench_config(get_preset(args.preset).with_overrides(args.set), "learned", args.optimizer)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(config, run_dir, device="cuda", progress=False)
+        it = iter(trainer.train_loader)
+        for _ in range(3):
+            trainer.train_step(it)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            trainer.train_step(it)
+            torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.device_time_total / 1e3)
+    total = sum(sum(v) for v in kernels.values())
+    print(f"total GPU kernel time {total:.1f} ms over {sum(len(v) for v in kernels.values())} kernels")
+    for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
+        print(f"{sum(times):8.2f} ms {len(times):5d}x  [{classify(name)[:12]:12s}] {name[:150]}")
+
+
+if __name__ == "__main__":
+    main()

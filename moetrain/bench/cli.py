@@ -1,0 +1,121 @@
+"""`moetrain bench`: argument parsing and printing for the benchmark harness."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from moetrain.presets import PRESETS, get_preset
+
+SCALE_SERIES = ["scale-E8", "scale-E16", "scale-E32", "scale-E64", "scale-E128"]
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time training steps (GPU), optionally against peers",
+        description="Time full training steps (forward + backward + optimizer) on "
+        "uniform random token ids, as in shared/BENCHMARKS.md.",
+    )
+    p.add_argument("--preset", choices=list(PRESETS), default="small")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--routing", choices=["learned", "random"], default="learned")
+    p.add_argument(
+        "--optimizer",
+        choices=["mixed", "bf16-adamw", "both"],
+        default="both",
+        help="mixed: bf16 params + fp32 master (moetrain's default); bf16-adamw: the "
+        "peers' setting (bf16 params and states)",
+    )
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compare", choices=["hf", "hf-compiled"], action="append", default=[])
+    p.add_argument(
+        "--sweep", action="store_true", help="run the expert-scaling series scale-E8..E128"
+    )
+    p.add_argument("--profile", action="store_true", help="per-phase GPU time of one step")
+    p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--results-md", help="append a dated table to this markdown file")
+    p.add_argument("--device")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from moetrain.bench import harness
+    from moetrain.bench.timing import matmul_tflops
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        print("note: no GPU; CPU timings are for smoke tests only", file=sys.stderr)
+    mm = matmul_tflops(device)
+    presets = SCALE_SERIES if args.sweep else [args.preset]
+    optimizers = ["mixed", "bf16-adamw"] if args.optimizer == "both" else [args.optimizer]
+    results, extra = [], {}
+    if mm:
+        extra["measured BF16 8192^3 matmul TFLOP/s"] = f"{mm:.0f}"
+    for name in presets:
+        config = get_preset(name).with_overrides(args.set or [])
+        for opt in optimizers:
+            r = harness.bench_moetrain(
+                config,
+                routing=args.routing,
+                optimizer=opt,
+                steps=args.steps,
+                warmup=args.warmup,
+                device=str(device),
+                mm_tflops=mm,
+                profile=args.profile,
+            )
+            results.append(r)
+            floor = harness.optimizer_floor_ms(config, opt)
+            extra[f"{name} {opt} split"] = (
+                ", ".join(f"{k} {v:.1f}" for k, v in r.split_ms.items())
+                + f" (optimizer memory-traffic floor {floor:.1f} ms)"
+            )
+            if r.phases_ms:
+                extra[f"{name} {opt} phases (ms)"] = ", ".join(
+                    f"{k} {v:.1f}" for k, v in r.phases_ms.items()
+                )
+            print(harness.markdown_table([r]), flush=True)
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        for peer in args.compare:
+            try:
+                hr = harness.bench_hf(
+                    config,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    device=str(device),
+                    mm_tflops=mm,
+                    compile_model=peer == "hf-compiled",
+                )
+            except ValueError as exc:
+                print(f"skipping {peer}: {exc}", file=sys.stderr)
+                continue
+            results.append(hr)
+            same = [
+                r
+                for r in results
+                if r.system == "moetrain"
+                and r.preset == config.name
+                and r.optimizer == "bf16-adamw"
+            ] or [results[-2]]
+            extra[f"{name} moetrain / {hr.system} (same optimizer)"] = (
+                f"{same[0].tokens_per_s / hr.tokens_per_s:.2f}x tokens/s, peak memory "
+                f"{same[0].peak_mem_gib:.1f} vs {hr.peak_mem_gib:.1f} GiB"
+            )
+    if args.sweep:
+        base = {r.optimizer: r.tokens_per_s for r in results if r.preset == "scale-E8"}
+        for r in results:
+            if r.preset != "scale-E8" and r.system == "moetrain":
+                extra[f"{r.preset} {r.optimizer} vs scale-E8"] = (
+                    f"{100 * (r.tokens_per_s / base[r.optimizer] - 1):+.1f}% tokens/s"
+                )
+    print(harness.markdown_table(results))
+    for key, value in extra.items():
+        print(f"{key}: {value}")
+    command = "moetrain " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    harness.write_outputs(results, command, args.json, args.results_md, extra)
+    return 0

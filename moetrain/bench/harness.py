@@ -1,0 +1,262 @@
+"""`moetrain bench`: time full training steps, exactly as `moetrain train` builds and runs them.
+
+The model, optimizer and step are the Trainer's own (`Trainer.train_step`), fed uniform random
+token ids (`data.random_tokens`), with learned or forced-random routing. Reported per system:
+median and spread of step time, tokens/s per GPU, model TFLOP/s (moetrain.model.flops, the same
+FLOP count for every system), MFU against the datasheet peak and against the 8192^3 BF16 matmul
+rate measured in the same process, peak allocated memory, and the forward+backward vs optimizer
+split of a step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetrain.bench.timing import summarize, time_steps
+from moetrain.config import RunConfig
+from moetrain.model.flops import flops_per_token, param_counts
+from moetrain.train.metrics import peak_tflops
+
+
+@dataclass
+class BenchResult:
+    system: str
+    preset: str
+    routing: str
+    optimizer: str
+    tokens_per_step: int
+    times_ms: list[float]
+    stats: dict[str, float]
+    tokens_per_s: float
+    tflops: float
+    mfu_datasheet: float | None
+    mfu_measured: float | None
+    peak_mem_gib: float
+    split_ms: dict[str, float] = field(default_factory=dict)
+    phases_ms: dict[str, float] = field(default_factory=dict)
+
+    def row(self) -> list[str]:
+        mfu = "-" if self.mfu_datasheet is None else f"{100 * self.mfu_datasheet:.1f}%"
+        mfu_m = "-" if self.mfu_measured is None else f"{100 * self.mfu_measured:.1f}%"
+        return [
+            self.system,
+            self.preset,
+            self.routing,
+            self.optimizer,
+            f"{self.tokens_per_s:,.0f}",
+            f"{self.tflops:.0f}",
+            mfu,
+            mfu_m,
+            f"{self.stats['median_ms']:.1f} ({self.stats['p10_ms']:.1f}-{self.stats['p90_ms']:.1f})",
+            f"{self.peak_mem_gib:.1f}",
+        ]
+
+
+HEADER = [
+    "system",
+    "preset",
+    "routing",
+    "optimizer",
+    "tokens/s/GPU",
+    "TFLOP/s",
+    "MFU (datasheet)",
+    "MFU (measured mm)",
+    "step ms median (p10-p90)",
+    "peak GiB",
+]
+
+
+def _result(
+    system: str,
+    config: RunConfig,
+    routing: str,
+    optimizer: str,
+    times: list[float],
+    device: torch.device,
+    mm_tflops: float | None,
+) -> BenchResult:
+    t = config.train
+    tokens = t.micro_batch_size * t.seq_len
+    stats = summarize(times)
+    tokens_per_s = tokens / (stats["median_ms"] / 1e3)
+    tflops = tokens_per_s * flops_per_token(config) / 1e12
+    peak = peak_tflops(device)
+    return BenchResult(
+        system=system,
+        preset=config.name,
+        routing=routing,
+        optimizer=optimizer,
+        tokens_per_step=tokens,
+        times_ms=times,
+        stats=stats,
+        tokens_per_s=tokens_per_s,
+        tflops=tflops,
+        mfu_datasheet=tflops / peak if peak else None,
+        mfu_measured=tflops / mm_tflops if mm_tflops else None,
+        peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else 0.0,
+    )
+
+
+def bench_config(config: RunConfig, routing: str, optimizer: str) -> RunConfig:
+    """The benchmark variant of a run config: random token ids, one micro-batch per step."""
+    overrides = [
+        "data.random_tokens=true",
+        f"moe.routing={routing}",
+        "train.eval_every=0",
+        "train.global_batch_tokens=null",
+        "train.log_every=1000000",
+    ]
+    if optimizer == "bf16-adamw":  # the peers' setting: bf16 params and states, no fp32 master
+        overrides += ["precision.param_dtype=bf16", "precision.master_weights=false"]
+    return config.with_overrides(overrides)
+
+
+def bench_moetrain(
+    config: RunConfig,
+    *,
+    routing: str = "learned",
+    optimizer: str = "mixed",
+    steps: int = 6,
+    warmup: int = 3,
+    device: str | None = None,
+    mm_tflops: float | None = None,
+    profile: bool = False,
+) -> BenchResult:
+    from moetrain.train.trainer import Trainer
+
+    config = bench_config(config, routing, optimizer)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(config, run_dir, device=device, progress=False)
+        dev = trainer.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        it = iter(trainer.train_loader)
+        times = time_steps(lambda: trainer.train_step(it), warmup, steps, dev)
+        result = _result("moetrain", config, routing, optimizer, times, dev, mm_tflops)
+        result.split_ms = split_step(trainer, it, dev)
+        if profile and dev.type == "cuda":
+            from moetrain.bench.phases import profile_phases
+
+            result.phases_ms = profile_phases(lambda: trainer.train_step(it))
+        trainer.metrics.close()
+    return result
+
+
+def split_step(trainer, it, device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """Forward+backward vs gradient clip + optimizer, in ms (median over `repeats` steps)."""
+    if device.type != "cuda":
+        return {}
+    fb, opt = [], []
+    for _ in range(repeats):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        trainer.phase_events = events
+        trainer.train_step(it)
+        events[-1].synchronize()
+        fb.append(events[0].elapsed_time(events[1]))
+        opt.append(events[1].elapsed_time(events[2]))
+    trainer.phase_events = None
+    fb.sort()
+    opt.sort()
+    return {"forward_backward_ms": fb[len(fb) // 2], "clip_and_optimizer_ms": opt[len(opt) // 2]}
+
+
+def bench_hf(
+    config: RunConfig,
+    *,
+    steps: int = 6,
+    warmup: int = 3,
+    device: str | None = None,
+    mm_tflops: float | None = None,
+    compile_model: bool = False,
+) -> BenchResult:
+    from moetrain.bench.peers import build_hf_olmoe
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    step, model = build_hf_olmoe(config, dev, compile_model=compile_model)
+    times = time_steps(step, warmup, steps, dev)
+    name = "hf-olmoe" + ("-compiled" if compile_model else "")
+    result = _result(name, config, "learned", "bf16-adamw", times, dev, mm_tflops)
+    del model, step
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def optimizer_floor_ms(config: RunConfig, optimizer: str, bandwidth_tb_s: float = 4.2) -> float:
+    """Memory-traffic floor of the optimizer step: bytes read+written per parameter over the
+    measured copy bandwidth. mixed: bf16 grad read, fp32 grad write+read, fp32 master, m, v
+    read+write, bf16 param write (2+4+4+24+2 = 36 B); bf16-adamw: param, grad, m, v in bf16
+    (8 read + 6 written = 14 B)."""
+    per_param = 36 if optimizer == "mixed" else 14
+    return param_counts(config).total * per_param / (bandwidth_tb_s * 1e12) * 1e3
+
+
+def environment() -> dict[str, Any]:
+    info = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def markdown_table(results: list[BenchResult]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r.row()) + " |" for r in results]
+    return "\n".join(lines)
+
+
+def write_outputs(
+    results: list[BenchResult],
+    command: str,
+    json_path: str | None,
+    results_md: str | None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    env = environment()
+    payload = {
+        "environment": env,
+        "command": command,
+        "extra": extra or {},
+        "results": [asdict(r) for r in results],
+    }
+    if json_path:
+        Path(json_path).write_text(json.dumps(payload, indent=1))
+    if results_md:
+        block = [
+            f"\n### {env['date']} · {env.get('gpu', 'cpu')} · torch {env['torch']}"
+            f"{' · transformers ' + env['transformers'] if 'transformers' in env else ''}",
+            f"\n`{command}`\n",
+            markdown_table(results),
+        ]
+        for key, value in (extra or {}).items():
+            block.append(f"\n{key}: {value}")
+        with open(results_md, "a") as f:
+            f.write("\n".join(block) + "\n")

@@ -1,0 +1,59 @@
+"""Timing primitives: CUDA-event step timing, the measured matmul ceiling, summary statistics.
+
+Rules (shared/BENCHMARKS.md): warm up first, time forward + backward + optimizer step with device
+events, report the median (and spread) of at least 5 timed steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def time_steps(
+    step: Callable[[], object], warmup: int, steps: int, device: torch.device
+) -> list[float]:
+    """Milliseconds per call of `step`, each synchronized, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def summarize(times_ms: list[float]) -> dict[str, float]:
+    ordered = sorted(times_ms)
+    q = statistics.quantiles(ordered, n=10) if len(ordered) >= 2 else [ordered[0]] * 9
+    return {
+        "median_ms": statistics.median(ordered),
+        "p10_ms": q[0],
+        "p90_ms": q[-1],
+        "min_ms": ordered[0],
+        "max_ms": ordered[-1],
+    }
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> float | None:
+    """The BF16 n^3 matrix-product rate measured on this GPU (random inputs, median)."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times = time_steps(lambda: a @ b, warmup=3, steps=repeats, device=device)
+    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12

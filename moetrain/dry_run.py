@@ -1,0 +1,226 @@
+"""Dry run of `moetrain train`: one rank's share of the model, built on the meta device.
+
+For a layout (dp, ep, pp) and a global rank, `build_rank_model` builds the Transformer on meta and
+keeps what that rank would hold: the layers of its pipeline stage (`plan.stage_layer_ranges`), the
+embedding on the first stage, the final norm and LM head on the last, and of each MoE layer only
+the rank's num_experts / ep experts (`expert_offset` set to the first one's global id). Meta
+tensors carry shapes and dtypes but no storage, so nothing is allocated and CUDA is never touched,
+even for a trillion-parameter model. `dry_run` lists the parameters with their bytes and puts the
+planner's memory estimate for that rank next to them; the two parameter totals must agree.
+Placement of ranks follows moetrain.plan: rank = stage * dp + dp_rank, ep_rank = dp_rank % ep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moetrain.config import RunConfig
+from moetrain.model.transformer import Transformer
+from moetrain.moe.experts import GroupedExperts
+from moetrain.optim.param_groups import param_kind
+from moetrain.plan import (
+    GIB,
+    Layout,
+    Memory,
+    default_global_batch_tokens,
+    local_experts,
+    num_microbatches,
+    precision_bytes,
+    rank_coordinates,
+    rank_params,
+    stage_layer_ranges,
+    stage_memory,
+    validate_layout,
+)
+from moetrain.plan.cli import wide_console
+
+
+def param_dtype(config: RunConfig) -> torch.dtype:
+    """The dtype parameters have on the target GPUs (auto means bf16 there): the planner's."""
+    return {2: torch.bfloat16, 4: torch.float32}[precision_bytes(config).param]
+
+
+def layout_from_config(config: RunConfig, world_size: int) -> Layout:
+    p = config.parallel
+    return Layout(
+        pp=p.pp,
+        dp=config.dp_size(world_size),
+        ep=p.ep,
+        micro_batch_size=config.train.micro_batch_size,
+        activation_checkpointing=p.activation_checkpointing,
+        schedule=p.pp_schedule,
+    )
+
+
+def _keep_local_experts(experts: GroupedExperts, ids: range) -> None:
+    """What `parallel.expert.apply_ep` does to the weights, without its process groups and
+    dispatchers: keep the layer's experts `ids` (consecutive global ids)."""
+    for name in ("w_up_eD2F", "w_down_eFD"):
+        full = getattr(experts, name).detach()
+        setattr(experts, name, nn.Parameter(full[ids.start : ids.stop]))
+    experts.num_experts, experts.expert_offset = len(ids), ids.start
+
+
+def build_rank_model(config: RunConfig, layout: Layout, rank: int) -> Transformer:
+    """The modules and parameters `rank` holds, on the meta device, in the target dtype."""
+    stage, _, _ = rank_coordinates(layout, rank)
+    layers = stage_layer_ranges(config.model.num_layers, layout.pp)[stage]
+    first, last = stage == 0, stage == layout.pp - 1
+    with torch.device("meta"):
+        model = Transformer(config)
+        model.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
+        if not first:
+            model.embed = None
+        if not last:
+            model.norm, model.lm_head = None, None
+        elif model.lm_head is None and not first:  # tied: the last stage keeps a copy as head
+            model.lm_head = nn.Linear(config.model.d_model, config.model.vocab_size, bias=False)
+    if layout.ep > 1:
+        ids = local_experts(config.moe.num_experts, layout, rank)
+        for layer in model.moe_layers():
+            _keep_local_experts(layer.experts, ids)
+    return model.to(param_dtype(config))
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    name: str  # block indices collapsed: blocks.[0-12].attn.q_proj.weight
+    shape: tuple[int, ...]
+    dtype: str
+    count: int  # how many tensors the row stands for
+    bytes: int  # all of them
+    kind: str  # dense, router or expert
+
+
+@dataclass(frozen=True)
+class DryRunReport:
+    config_name: str
+    layout: Layout
+    rank: int
+    stage: int
+    dp_rank: int
+    ep_rank: int
+    layers: range
+    experts: range  # global ids of this rank's experts in each MoE layer
+    rows: list[ParamRow]
+    num_params: int
+    param_bytes: int
+    num_microbatches: int
+    memory: Memory  # the planner's estimate for this rank
+
+
+def _collapse(model: nn.Module) -> list[ParamRow]:
+    groups: dict[tuple[str, tuple[int, ...], str], list] = {}
+    for name, p in model.named_parameters():
+        match = re.match(r"blocks\.(\d+)\.(.*)", name)
+        key_name = f"blocks.*.{match.group(2)}" if match else name
+        entry = groups.setdefault((key_name, tuple(p.shape), str(p.dtype)), [])
+        entry.append((int(match.group(1)) if match else None, p.numel() * p.element_size(), name))
+    rows = []
+    for (name, shape, dtype), items in groups.items():
+        indices = [i for i, _, _ in items if i is not None]
+        if indices:
+            span = f"{min(indices)}" if len(indices) == 1 else f"{min(indices)}-{max(indices)}"
+            name = name.replace("*", f"[{span}]")
+        rows.append(
+            ParamRow(
+                name=name,
+                shape=shape,
+                dtype=dtype.removeprefix("torch."),
+                count=len(items),
+                bytes=sum(b for _, b, _ in items),
+                kind=param_kind(items[0][2]),
+            )
+        )
+    return rows
+
+
+def dry_run(
+    config: RunConfig,
+    layout: Layout,
+    rank: int,
+    global_batch_tokens: int | None = None,
+    overhead_gib: float = 2.0,
+) -> DryRunReport:
+    """Build `rank`'s model on meta and report its parameters and estimated memory."""
+    tokens = global_batch_tokens or default_global_batch_tokens(config, layout.world_size)
+    validate_layout(config, layout, layout.world_size, tokens)
+    stage, dp_rank, ep_rank = rank_coordinates(layout, rank)
+    model = build_rank_model(config, layout, rank)
+    num_params = sum(p.numel() for p in model.parameters())
+    expected = rank_params(config, pp=layout.pp, ep=layout.ep, stage=stage)
+    assert num_params == expected.total, (num_params, expected)
+    num_micro = num_microbatches(config, layout, tokens)
+    return DryRunReport(
+        config_name=config.name,
+        layout=layout,
+        rank=rank,
+        stage=stage,
+        dp_rank=dp_rank,
+        ep_rank=ep_rank,
+        layers=stage_layer_ranges(config.model.num_layers, layout.pp)[stage],
+        experts=local_experts(config.moe.num_experts, layout, rank),
+        rows=_collapse(model),
+        num_params=num_params,
+        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        num_microbatches=num_micro,
+        memory=stage_memory(config, layout, stage, num_micro, overhead=int(overhead_gib * GIB)),
+    )
+
+
+def print_dry_run(report: DryRunReport) -> None:
+    from rich.table import Table
+
+    lay, layers = report.layout, report.layers
+    console = wide_console()
+    console.print(
+        f"[bold]dry run[/bold] {report.config_name}: rank {report.rank} of {lay.world_size} "
+        f"(pp {lay.pp}, dp {lay.dp}, ep {lay.ep}): stage {report.stage}, layers "
+        f"{layers.start}-{layers.stop - 1}, dp rank {report.dp_rank}, ep rank {report.ep_rank}, "
+        f"experts {report.experts.start}-{report.experts.stop - 1} of each MoE layer"
+    )
+    table = Table()
+    for col in ("parameter", "shape", "dtype", "tensors", "MiB", "kind"):
+        table.add_column(col, justify="right" if col in ("tensors", "MiB") else "left")
+    for row in report.rows:
+        table.add_row(
+            row.name,
+            "x".join(map(str, row.shape)),
+            row.dtype,
+            str(row.count),
+            f"{row.bytes / 2**20:,.1f}",
+            row.kind,
+        )
+    console.print(table)
+    mem = report.memory
+    console.print(
+        f"{report.num_params:,} parameters ({report.param_bytes / GIB:,.2f} GiB). Estimated peak "
+        f"{mem.peak / GIB:,.2f} GiB = parameters {mem.params / GIB:,.2f} + gradients "
+        f"{mem.grads / GIB:,.2f} + optimizer shards {mem.optimizer / GIB:,.2f} + activations "
+        f"{mem.activations / GIB:,.2f} ({report.num_microbatches} micro-batches of "
+        f"{lay.micro_batch_size}, checkpointing {lay.activation_checkpointing}) + transient "
+        f"{mem.transient / GIB:,.2f} + overhead {mem.overhead / GIB:,.2f}. Nothing was allocated."
+    )
+
+
+def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for `moetrain train`: --dry-run [--world-size N] [--rank R]."""
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build this rank's model on the meta device, print its shapes and memory, and exit",
+    )
+    parser.add_argument("--world-size", type=int, help="dry run: number of GPUs (default pp)")
+    parser.add_argument("--rank", type=int, default=0, help="dry run: which rank to show")
+
+
+def run_dry_run(config: RunConfig, args: argparse.Namespace) -> int:
+    """`moetrain train --dry-run`: world size from --world-size, else parallel.dp x parallel.pp."""
+    world_size = args.world_size or (config.parallel.dp or 1) * config.parallel.pp
+    print_dry_run(dry_run(config, layout_from_config(config, world_size), args.rank))
+    return 0

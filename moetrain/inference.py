@@ -1,0 +1,80 @@
+"""Load a trained model from a checkpoint directory, evaluate it, and sample text from it.
+
+A checkpoint directory is self-contained: its `config.yaml` rebuilds the model, DCP loads the
+weights (under any parallel layout they were saved with, since names and shapes are global).
+Generation recomputes the whole prefix at every new token: simple and fine for the small models
+one samples on a laptop; it is not a serving engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moetrain.checkpoint import manager
+from moetrain.config import RunConfig
+from moetrain.data import load_tokenizer
+from moetrain.data.tokens import load_dir_tokenizer
+from moetrain.model.transformer import Transformer, build_model
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint dir, a run dir (its newest checkpoint) or a checkpoints/ dir."""
+    path = Path(path)
+    if (path / manager.MANIFEST).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        found = manager.latest(root)
+        if found is not None:
+            return found
+    raise ValueError(f"no complete checkpoint at {path}")
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[Transformer, RunConfig]:
+    path = resolve_checkpoint(path)
+    config = RunConfig.load_yaml(path / "config.yaml")
+    config = config.with_overrides(["parallel.ep=1", "parallel.pp=1", "parallel.dp=null"])
+    model = build_model(config, device=device, init=False)
+    manager.load(path, {"model": model.state_dict()})
+    model.eval()
+    return model, config
+
+
+def tokenizer_for(config: RunConfig):
+    if config.data.path is not None and Path(config.data.path).is_dir():
+        return load_dir_tokenizer(config.data.path)
+    return load_tokenizer(config.data.tokenizer)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    eos_id: int | None = None,
+    seed: int = 0,
+) -> list[int]:
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.tensor([prompt_ids], device=device)
+    for _ in range(max_new_tokens):
+        logits_V = model.logits(model(ids))[0, -1].float()
+        if temperature <= 0:
+            next_id = logits_V.argmax()
+        else:
+            logits_V = logits_V / temperature
+            if top_k:
+                kth = torch.topk(logits_V, min(top_k, logits_V.numel())).values[-1]
+                logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+            next_id = torch.multinomial(logits_V.softmax(-1), 1, generator=generator)[0]
+        if eos_id is not None and int(next_id) == eos_id:
+            break
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt_ids) :].tolist()

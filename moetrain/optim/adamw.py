@@ -1,0 +1,168 @@
+"""Replicated AdamW for one process or plain data parallelism, with optional fp32 masters.
+
+It has the interface the trainer uses for every optimizer (ShardedAdamW has the same):
+`no_sync()`, `finish_grad_sync()`, `step(lr, max_grad_norm, skip) -> grad_norm`, `zero_grad()`,
+`state_dict()`, `load_state_dict()`, `reset_masters()`, `state_bytes_per_rank()`.
+- Gradient communication is delegated to `grad_sync` (moetrain.parallel.data.GradientSync, or
+  None in one process); the global gradient norm and clipping to `clip_fn`.
+- fp32 parameters: torch AdamW (fused on CUDA, foreach on CPU, so CPU runs stay bitwise
+  reproducible across resume).
+- bf16 parameters with master weights: fp32 copies of every parameter carry the update; the bf16
+  gradients are cast into the masters' grads, fused AdamW updates the masters, and the result is
+  copied back into the bf16 parameters.
+- `skip` is a device bool tensor: when true (non-finite loss or gradient) the step changes nothing.
+  The fused kernels honour it on the device through AdamW's `found_inf`; elsewhere the update is
+  applied and then rolled back with `torch.where`, also on the device. No host sync either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class AdamW:
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        master_weights: bool,
+        fused: bool,
+        clip_fn: Callable[[float], torch.Tensor],
+        grad_sync: Any = None,
+    ) -> None:
+        self.clip_fn, self.grad_sync = clip_fn, grad_sync
+        self.params = [p for g in param_groups for p in g["params"]]
+        self.use_masters = master_weights and any(p.dtype != torch.float32 for p in self.params)
+        groups = []
+        for g in param_groups:
+            params = g["params"]
+            if self.use_masters:
+                params = [p.detach().float().requires_grad_() for p in params]
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k not in ("params", "param_names")},
+                    "params": params,
+                    "param_names": g["param_names"],
+                }
+            )
+        self.masters = [p for g in groups for p in g["params"]] if self.use_masters else None
+        self.fused = fused
+        self.opt = torch.optim.AdamW(
+            groups,
+            lr=0.0,
+            betas=betas,
+            eps=eps,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.opt.param_groups
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.grad_sync.no_sync() if self.grad_sync is not None else contextlib.nullcontext()
+
+    def finish_grad_sync(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def step(
+        self, lr: float, max_grad_norm: float = 0.0, skip: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Clip (max_grad_norm > 0), then update unless `skip` or the norm is not finite.
+        Returns the gradient norm before clipping, on the device."""
+        grad_norm = self.clip_fn(max_grad_norm)
+        bad = ~torch.isfinite(grad_norm)
+        skip = bad if skip is None else skip | bad
+        self._update(lr, skip)
+        return grad_norm
+
+    def _update(self, lr: float, skip: torch.Tensor) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr * group["lr_mult"]
+        if self.use_masters:
+            for master, p in zip(self.masters, self.params, strict=True):
+                master.grad = None if p.grad is None else p.grad.float()
+        targets = self.masters if self.use_masters else self.params
+        if self.fused:
+            self.opt.found_inf = skip.float()
+            self.opt.step()
+            del self.opt.found_inf
+        else:
+            before = [t.detach().clone() for t in targets]
+            states = [{k: v.clone() for k, v in self.opt.state[t].items()} for t in targets]
+            self.opt.step()
+            with torch.no_grad():
+                for t, old, state in zip(targets, before, states, strict=True):
+                    t.copy_(torch.where(skip, old, t))
+                    for k, v in state.items():
+                        self.opt.state[t][k].copy_(torch.where(skip, v, self.opt.state[t][k]))
+        if self.use_masters:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Keyed by parameter name: {name: {"step", "exp_avg", "exp_avg_sq"[, "master"]}}."""
+        out: dict[str, Any] = {}
+        for group in self.opt.param_groups:
+            for name, t in zip(group["param_names"], group["params"], strict=True):
+                state = {k: v for k, v in self.opt.state.get(t, {}).items()}
+                if self.use_masters:
+                    state["master"] = t.detach()
+                out[name] = state
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for group in self.opt.param_groups:
+            for name, t in zip(group["param_names"], group["params"], strict=True):
+                entry = state.get(name, {})
+                if "master" in entry:
+                    with torch.no_grad():
+                        t.copy_(entry["master"])
+                moments = {k: v for k, v in entry.items() if k != "master"}
+                if moments:
+                    self.opt.state[t] = moments
+        if self.use_masters:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
+
+    @torch.no_grad()
+    def reset_masters(self) -> None:
+        """Copy the parameters into the fp32 masters (after loading weights from elsewhere)."""
+        if self.use_masters:
+            torch._foreach_copy_(self.masters, self.params)
+
+    def init_state(self) -> None:
+        """Create zero moments so that `state_dict()` has every tensor DCP must load into."""
+        for group in self.opt.param_groups:
+            for t in group["params"]:
+                if t not in self.opt.state or not self.opt.state[t]:
+                    self.opt.state[t] = {
+                        "step": torch.zeros(
+                            (), dtype=torch.float32, device=t.device if self.fused else "cpu"
+                        ),
+                        "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format),
+                    }
+
+    def state_bytes_per_rank(self) -> int:
+        total = 0
+        for group in self.opt.param_groups:
+            for t in group["params"]:
+                total += sum(
+                    v.numel() * v.element_size() for v in self.opt.state.get(t, {}).values()
+                )
+                if self.use_masters:
+                    total += t.numel() * t.element_size()
+        return total

@@ -1,0 +1,266 @@
+"""Time and traffic of one pipeline stage: a roofline model.
+
+Matrix products run at a fraction of the datasheet peak (dense, grouped-expert and attention
+rates), memory-bound kernels and the optimizer at HBM bandwidth, communication at link bandwidths
+(NVLink inside a node, the network between nodes) plus a latency per collective or send. Per
+micro-batch: products, elementwise kernels, expert all-to-alls and pipeline sends; per step: the
+distributed optimizer's reduce-scatter + all-gather and its update. Nothing is overlapped.
+`search.estimate` adds the pipeline bubble of the schedule and combines the stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from moetrain.config import RunConfig
+from moetrain.plan.layout import (
+    GIB,
+    INTERLEAVED_CHUNKS,
+    Cluster,
+    Layout,
+    microbatch_tokens,
+    stage_layers,
+)
+from moetrain.plan.memory import (
+    Memory,
+    RankParams,
+    block_activation_bytes,
+    in_flight_microbatches,
+    layer_params,
+    optimizer_shards,
+    precision_bytes,
+    rank_params,
+    routed_rows_per_token,
+    stage_memory,
+)
+
+ELEMENTWISE_PASSES = 4  # saved bytes: written in forward, read in backward; their gradient too
+
+
+def members_per_node(group: int, stride: int, gpus_per_node: int) -> int:
+    """How many members of a group (ranks `stride` apart) share one node."""
+    return max(1, min(group, gpus_per_node // stride))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one GPU sends per optimizer step, inside its node (NVLink) and to other nodes."""
+
+    all_to_all_intra: float = 0.0
+    all_to_all_inter: float = 0.0
+    grad_sync_intra: float = 0.0
+    grad_sync_inter: float = 0.0
+    pipeline_intra: float = 0.0
+    pipeline_inter: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One pipeline stage (every rank of a stage is alike). Times of one micro-batch are its
+    forward + backward, recomputation included."""
+
+    stage: int
+    layers: range
+    params: RankParams
+    memory: Memory
+    traffic: Traffic
+    in_flight: float
+    microbatch_matmul_s: float  # products at their efficiency-scaled peaks
+    microbatch_elementwise_s: float  # memory-bound kernels at HBM bandwidth
+    microbatch_comm_s: float  # all-to-alls and pipeline sends (not overlapped)
+    grad_sync_s: float
+    optimizer_s: float
+
+    @property
+    def microbatch_s(self) -> float:
+        return self.microbatch_matmul_s + self.microbatch_elementwise_s + self.microbatch_comm_s
+
+
+def bubble_microbatches(layout: Layout) -> float:
+    """Idle time of the pipeline in units of one micro-batch's forward + backward on a stage."""
+    pp = layout.pp
+    return {
+        "gpipe": pp - 1,
+        "1f1b": pp - 1,
+        "interleaved_1f1b": (pp - 1) / INTERLEAVED_CHUNKS,
+        "zero_bubble": (pp - 1) / 3,  # ZB-H1: backward split into input- and weight-gradients
+    }[layout.schedule]
+
+
+def _split_collective(nbytes: float, group: int, stride: int, node: int) -> tuple[float, float]:
+    """Reduce-scatter or all-gather of an `nbytes` buffer, hierarchically: inside each node over
+    NVLink, then across nodes among the ranks holding the same slice (bandwidth-optimal)."""
+    local = members_per_node(group, stride, node)
+    nodes = -(-group // local)
+    return nbytes * (local - 1) / local, nbytes / local * (nodes - 1) / nodes
+
+
+def _split_all_to_all(nbytes: float, group: int, node: int) -> tuple[float, float]:
+    """An all-to-all over consecutive ranks, `nbytes` spread evenly over the group (self too)."""
+    local = members_per_node(group, 1, node)
+    return nbytes * (local - 1) / group, nbytes * (group - local) / group
+
+
+def _link_time(intra: float, inter: float, cluster: Cluster, concurrent: bool) -> float:
+    t_intra, t_inter = intra / cluster.nvlink_bps, inter / cluster.internode_bps
+    return max(t_intra, t_inter) if concurrent else t_intra + t_inter
+
+
+def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -> float:
+    """One micro-batch's products on a stage. A forward is a third of forward + backward; moe
+    checkpointing redoes the experts and the router (2 D E FLOPs per token), full everything."""
+    m, moe, gpu = config.model, config.moe, cluster.gpu
+    lp = layer_params(config)
+    _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
+    fp8 = config.precision.experts == "fp8_rowwise" or (
+        config.precision.experts == "mxfp8" and gpu.name.startswith("b")  # Blackwell only
+    )
+    expert_rate = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12 * cluster.grouped_efficiency
+    dense_rate = gpu.bf16_tflops * 1e12 * cluster.matmul_efficiency
+    attention_rate = gpu.bf16_tflops * 1e12 * cluster.attention_efficiency
+
+    ckpt = layout.activation_checkpointing
+    redo_all = 1 / 3 if ckpt == "full" else 0.0
+    redo_experts = 1 / 3 if ckpt in ("moe", "full") else 0.0
+    redo_router = 2 * m.d_model * moe.num_experts if ckpt == "moe" else 0
+    experts = 6 * moe.top_k * lp.moe_layer.experts // moe.num_experts
+    attention = lp.attention_flops_per_token_layer
+    other = num_moe * (lp.flops_per_token_layer - experts - attention + redo_router)
+    other += num_dense * 6 * lp.dense_layer.active
+    head = 6 * lp.outside.active if stage == layout.pp - 1 else 0
+    tokens = microbatch_tokens(config, layout)
+    return tokens * (
+        num_moe * experts * (1 + redo_experts) / expert_rate
+        + (num_moe + num_dense) * attention * (1 + redo_all) / attention_rate
+        + (other * (1 + redo_all) + head) / dense_rate
+    )
+
+
+def _elementwise_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -> float:
+    """Memory-bound kernels (norms, softmax, SwiGLU, RoPE, permutes) move about as many bytes as
+    autograd saves, ELEMENTWISE_PASSES times; recomputation writes its part once more."""
+    _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
+    tokens = microbatch_tokens(config, layout)
+    saved = redone = 0
+    for is_moe, count in ((False, num_dense), (True, num_moe)):
+        if count:
+            attention, norm, ffn = block_activation_bytes(config, tokens, moe=is_moe, ep=layout.ep)
+            saved += count * (attention + norm + ffn)
+            ckpt = layout.activation_checkpointing
+            redone += (
+                count
+                * {
+                    "none": 0,
+                    "moe": ffn if is_moe else 0,
+                    "full": attention + norm + ffn,
+                }[ckpt]
+            )
+    return (ELEMENTWISE_PASSES * saved + redone) / (cluster.gpu.hbm_tbps * 1e12)
+
+
+def _all_to_all(
+    config: RunConfig, cluster: Cluster, layout: Layout, num_moe: int
+) -> tuple[float, float, float]:
+    """(intra bytes, inter bytes, seconds) of one micro-batch's expert all-to-alls on a stage:
+    dispatch and combine in the forward, their gradients in the backward, and the forward pair
+    again when checkpointing recomputes the MoE layer."""
+    if layout.ep == 1 or num_moe == 0:
+        return 0.0, 0.0, 0.0
+    a = precision_bytes(config).activation
+    D = config.model.d_model
+    tokens = microbatch_tokens(config, layout)
+    rows = tokens * routed_rows_per_token(config, layout.ep)  # 1 / ep of them stay on the rank
+    dispatch = 1 + 4 / D if config.precision.dispatch == "fp8" else a  # fp8 with a row scale
+    forward = rows * D * (dispatch + a)
+    backward = rows * D * 2 * a
+    recompute = layout.activation_checkpointing != "none"
+    per_layer = forward * (1 + recompute) + backward
+    intra, inter = _split_all_to_all(num_moe * per_layer, layout.ep, cluster.gpus_per_node)
+    launches = num_moe * (4 + 2 * recompute)
+    seconds = _link_time(intra, inter, cluster, concurrent=True)
+    return intra, inter, seconds + launches * cluster.latency_us * 1e-6
+
+
+def _pipeline_sends(
+    config: RunConfig, cluster: Cluster, layout: Layout, stage: int
+) -> tuple[float, float, float]:
+    """(intra bytes, inter bytes, seconds) of one micro-batch's sends from a stage: activations
+    to the next stage, gradients to the previous one. Stages sit dp ranks apart."""
+    local = members_per_node(layout.pp, layout.dp, cluster.gpus_per_node)
+    a = precision_bytes(config).activation
+    nbytes = a * microbatch_tokens(config, layout) * config.model.d_model
+    intra = inter = 0.0
+    boundaries = [(stage, stage + 1)] * (stage < layout.pp - 1) + [(stage - 1, stage)] * (stage > 0)
+    for lo, hi in boundaries:
+        if lo // local == hi // local:
+            intra += nbytes
+        else:
+            inter += nbytes
+    seconds = _link_time(intra, inter, cluster, concurrent=False)
+    return intra, inter, seconds + len(boundaries) * cluster.latency_us * 1e-6
+
+
+def _grad_sync(
+    config: RunConfig, cluster: Cluster, layout: Layout, params: RankParams
+) -> tuple[float, float, float]:
+    """(intra bytes, inter bytes, seconds) of the distributed optimizer once per step: reduce-
+    scatter gradients and all-gather parameters, dense ones over dp (consecutive ranks), expert
+    ones over the expert-data-parallel group (ranks ep apart)."""
+    b = precision_bytes(config)
+    intra = inter = seconds = 0.0
+    for numel, group, stride in (
+        (params.dense, layout.dp, 1),
+        (params.experts, layout.expert_dp, layout.ep),
+    ):
+        if group == 1 or numel == 0:
+            continue
+        for per_element in (b.grad, b.param):
+            i, o = _split_collective(numel * per_element, group, stride, cluster.gpus_per_node)
+            intra, inter = intra + i, inter + o
+            seconds += _link_time(i, o, cluster, concurrent=False) + cluster.latency_us * 1e-6
+    return intra, inter, seconds
+
+
+def _optimizer_s(config: RunConfig, cluster: Cluster, layout: Layout, params: RankParams) -> float:
+    """The update of this rank's shards: read master, moments and gradient shard; write master,
+    moments and the bf16 parameter."""
+    b = precision_bytes(config)
+    shards = sum(shard for shard, _ in optimizer_shards(params, layout))
+    optimizer_bytes = shards * (2 * (b.master + b.moments) + b.grad + b.param)
+    return optimizer_bytes / (cluster.gpu.hbm_tbps * 1e12)
+
+
+def stage_estimate(
+    config: RunConfig, cluster: Cluster, layout: Layout, stage: int, num_micro: int
+) -> StageEstimate:
+    """Memory, traffic per step and times of one stage (the layout is assumed valid)."""
+    layers, _, num_moe = stage_layers(config, layout.pp, stage)
+    params = rank_params(config, pp=layout.pp, ep=layout.ep, stage=stage)
+    a2a_intra, a2a_inter, a2a_s = _all_to_all(config, cluster, layout, num_moe)
+    p2p_intra, p2p_inter, p2p_s = _pipeline_sends(config, cluster, layout, stage)
+    sync_intra, sync_inter, sync_s = _grad_sync(config, cluster, layout, params)
+    return StageEstimate(
+        stage=stage,
+        layers=layers,
+        params=params,
+        memory=stage_memory(config, layout, stage, num_micro, int(cluster.overhead_gib * GIB)),
+        traffic=Traffic(
+            all_to_all_intra=a2a_intra * num_micro,
+            all_to_all_inter=a2a_inter * num_micro,
+            grad_sync_intra=sync_intra,
+            grad_sync_inter=sync_inter,
+            pipeline_intra=p2p_intra * num_micro,
+            pipeline_inter=p2p_inter * num_micro,
+        ),
+        in_flight=in_flight_microbatches(layout, stage, num_micro),
+        microbatch_matmul_s=_matmul_s(config, cluster, layout, stage),
+        microbatch_elementwise_s=_elementwise_s(config, cluster, layout, stage),
+        microbatch_comm_s=a2a_s + p2p_s,
+        grad_sync_s=sync_s,
+        optimizer_s=_optimizer_s(config, cluster, layout, params),
+    )

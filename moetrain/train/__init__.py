@@ -1,0 +1,1 @@
+"""Training: one step as a function, the loop with its cadences, and metrics."""

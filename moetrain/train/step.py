@@ -1,0 +1,65 @@
+"""One optimizer step's forward and backward passes, with every metric kept on the device.
+
+`forward_backward` runs the gradient-accumulation micro-batches: each micro-batch's mean
+cross-entropy is scaled by 1/accum and backpropagated; the MoE layers add the gradients of their
+weighted auxiliary losses themselves (see moetrain.moe.layer.AddAuxLossGrad), with the same 1/accum
+scale. Gradient communication is skipped on all but the last micro-batch (`no_sync`).
+It returns the mean loss as a device tensor: nothing here reads a value on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from moetrain.model.transformer import Transformer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def set_aux_grad_scale(model: Transformer, scale: float) -> None:
+    for layer in model.moe_layers():
+        layer.aux_grad_scale = scale
+
+
+def forward_backward(
+    model: Transformer,
+    batches: Iterator[Batch],
+    accum_steps: int,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> torch.Tensor:
+    set_aux_grad_scale(model, 1.0 / accum_steps)
+    loss_sum = None
+    for micro in range(accum_steps):
+        inputs_BS, targets_BS = next(batches)
+        last = micro == accum_steps - 1
+        ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+        with ctx:
+            loss = model.loss(model(inputs_BS), targets_BS)
+            (loss / accum_steps).backward()
+        loss = loss.detach()
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+    return loss_sum / accum_steps
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: Iterator[Batch], num_batches: int) -> torch.Tensor:
+    """Mean validation loss over `num_batches` batches, as a device scalar."""
+    was_training = model.training
+    model.eval()
+    total = None
+    for _ in range(num_batches):
+        inputs_BS, targets_BS = next(batches)
+        loss = model.loss(model(inputs_BS), targets_BS)
+        total = loss if total is None else total + loss
+    model.train(was_training)
+    return total / num_batches
+
+
+def grads_finite(
+    model: torch.nn.Module, loss: torch.Tensor, grad_norm: torch.Tensor
+) -> torch.Tensor:
+    """Device bool: loss and gradient norm are finite (the norm is NaN/inf if any grad is)."""
+    return torch.isfinite(loss) & torch.isfinite(grad_norm)

@@ -1,0 +1,441 @@
+"""The training loop: build, train with log/eval/checkpoint cadences, stop cleanly, resume exactly.
+
+Build order (STYLE rule 2): the model is constructed on the meta device, parallelized (expert
+parallelism, activation checkpointing, compile), materialized with `to_empty`, initialized with
+`init_weights(seed)`, and its parameters cast to the training dtype. Then the optimizer, the data
+loaders, and, with `resume`, the state of the newest complete checkpoint.
+
+One step: micro-batch forward/backward (train/step.py) -> gradient sync -> global-norm clip ->
+optimizer step, skipped on the device when the loss or a gradient is not finite -> MoE end-of-step
+(aux-loss-free bias update). Metrics stay on the device and are read at the log cadence only.
+SIGTERM / Ctrl-C finish the current step, save a checkpoint and return; K consecutive non-finite
+steps (seen at a log step) save and stop with an error message.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.checkpoint import manager
+from moetrain.config import RunConfig
+from moetrain.data import RandomTokenLoader, SequenceLoader, open_data
+from moetrain.model.flops import flops_per_token
+from moetrain.model.transformer import Transformer
+from moetrain.moe.fp8_gemm import make_grouped_gemm
+from moetrain.optim.adamw import AdamW
+from moetrain.optim.clip import clip_grad_norm_, global_grad_norm, params_with_kinds
+from moetrain.optim.param_groups import build_param_groups
+from moetrain.optim.schedule import lr_at
+from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
+from moetrain.parallel.data import GradientSync, all_reduce_stats
+from moetrain.parallel.expert import globalize_experts, localize, read_dispatch_stats
+from moetrain.parallel.mesh import ParallelDims, init_distributed
+from moetrain.parallel.parallelize import parallelize
+from moetrain.train import step as train_step
+from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory_gib
+from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
+
+
+class TrainingStopped(RuntimeError):
+    """Raised after saving when training cannot continue (too many non-finite steps)."""
+
+
+def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
+    """AdamW replicated over data parallelism (GradientSync all-reduces gradients), or the
+    distributed optimizer (train.optimizer = sharded), which reduce-scatters them itself."""
+    t = config.train
+    groups = build_param_groups(model, t)
+    if t.optimizer == "sharded":
+        if config.parallel.data_parallel == "fsdp":
+            raise ValueError(
+                "train.optimizer (sharded) cannot be combined with "
+                "parallel.data_parallel (fsdp): FSDP shards the states itself"
+            )
+        return ShardedAdamW(
+            groups,
+            dense_group=dims.dp_group,
+            expert_group=dims.edp_group,
+            expert_grad_divisor=dims.dp,
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+            global_slices=expert_global_slices(model, config.moe.num_experts),
+            pp_group=dims.pp_group,
+            param_order=[n for n, _ in model.named_parameters()],
+        )
+    fsdp = config.parallel.data_parallel == "fsdp"
+    grad_sync = GradientSync(model, dims) if dims.world_size > 1 and not fsdp else None
+    pairs = params_with_kinds(groups)
+
+    def clip_fn(max_norm: float) -> torch.Tensor:
+        if fsdp:  # DTensor gradients: torch's clip understands them
+            params = [p for p, _ in pairs if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+        if max_norm > 0:
+            return clip_grad_norm_(pairs, max_norm, ep_group=dims.ep_group, pp_group=dims.pp_group)
+        return global_grad_norm(pairs, ep_group=dims.ep_group, pp_group=dims.pp_group)
+
+    optimizer = AdamW(
+        groups,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        master_weights=config.precision.master_weights,
+        fused=dims.device.type == "cuda",
+        clip_fn=clip_fn,
+        grad_sync=grad_sync,
+    )
+    optimizer.init_state()
+    return optimizer
+
+
+def apply_precision(model: Transformer, config: RunConfig, device: torch.device) -> None:
+    """Install the expert GEMM of `precision.experts`; an unsupported choice fails here, at
+    start-up, never as a silent fallback."""
+    if config.precision.dispatch != "bf16":
+        raise ValueError("precision.dispatch (fp8) is not implemented yet; use bf16")
+    if config.precision.experts == "bf16":
+        return
+    gemm = make_grouped_gemm(config.precision.experts, device)
+    for layer in model.moe_layers():
+        layer.experts.gemm = gemm
+    if gemm.emulated:
+        print(
+            f"note: precision.experts={config.precision.experts} runs as {gemm.name}: "
+            "for studying numerics, not for speed"
+        )
+
+
+def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
+    choice = config.precision.param_dtype
+    if choice == "auto":
+        choice = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: RunConfig,
+        run_dir: str | Path | None = None,
+        *,
+        resume: bool = False,
+        init_from: str | Path | None = None,
+        device: str | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.config = config
+        self.dims: ParallelDims = init_distributed(config, device)
+        self.device = self.dims.device
+        self.is_main = self.dims.rank == 0
+        self.run_dir = Path(run_dir or Path("runs") / config.name)
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        self.accum_steps = config.grad_accum_steps(self.dims.dp)
+        t = config.train
+        self.tokens_per_step = t.micro_batch_size * t.seq_len * self.accum_steps * self.dims.dp
+
+        # ---- model: meta -> parallelize -> materialize -> init -> cast ----
+        self.param_dtype = resolve_param_dtype(config, self.device)
+        with torch.device("meta"):
+            model = Transformer(config)
+        fsdp = config.parallel.data_parallel == "fsdp"
+        if fsdp:  # the baseline shards materialized, initialized weights (see parallel/data.py)
+            self._materialize(model)
+        model = parallelize(model, config, self.dims)
+        if not fsdp:
+            self._materialize(model)
+        apply_precision(model, config, self.device)
+        model.train()
+        self.model = model
+        self._moe_names = [n for n, m in model.named_modules() if m in set(model.moe_layers())]
+
+        # ---- optimizer (it owns gradient synchronization and clipping) ----
+        self.optimizer = build_optimizer(model, config, self.dims)
+
+        # ---- data ----
+        self.train_loader, self.val_loader, self.tokenizer = self._build_loaders()
+
+        # ---- state that checkpoints carry ----
+        self.step = 0
+        self.skipped_total = 0
+        self._stop_requested = False
+        self._bad_run = torch.zeros((), device=self.device)
+        self._acc = self._new_accumulators()
+        self.phase_events: list | None = None
+        self._control_group = dist.new_group(backend="gloo") if self.dims.world_size > 1 else None
+
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            config.save_yaml(self.run_dir / "config.yaml")
+        self.resumed_from: Path | None = None
+        if resume:
+            latest = manager.latest(self.checkpoint_root)
+            if latest is not None:
+                self.load_checkpoint(latest)
+                self.resumed_from = latest
+        elif init_from is not None:
+            self.load_weights(init_from)
+
+        self.console = Console(t.steps, self.step, enabled=progress and self.is_main)
+        self.metrics = MetricsSink(self.run_dir, enabled=self.is_main)
+        self.throughput = Throughput(flops_per_token(config), self.device)
+        self.gaming = TokenGamingDetector()
+
+    def _materialize(self, model: Transformer) -> None:
+        model.to_empty(device=self.device)
+        model.init_weights(self.config.train.seed)
+        for param in model.parameters():
+            param.data = param.data.to(self.param_dtype)
+
+    # ------------------------------------------------------------------ data
+    def _build_loaders(self):
+        cfg, t, d = self.config, self.config.train, self.dims
+        if cfg.data.random_tokens:
+            make = lambda seed: RandomTokenLoader(  # noqa: E731
+                cfg.model.vocab_size,
+                t.seq_len,
+                t.micro_batch_size,
+                seed=seed,
+                rank=d.dp_rank,
+                device=self.device,
+            )
+            return make(t.seed), make(t.seed + 1), None
+        train_tokens, val_tokens, tokenizer = open_data(cfg.data, cfg.model.vocab_size)
+        common = dict(rank=d.dp_rank, world_size=d.dp, device=self.device)
+        train = SequenceLoader(train_tokens, t.seq_len, t.micro_batch_size, seed=t.seed, **common)
+        val = SequenceLoader(val_tokens, t.seq_len, t.micro_batch_size, seed=t.seed, **common)
+        return train, val, tokenizer
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, Any]:
+        t = self.config.train
+        previous = {
+            s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)
+        }
+        train_iter = iter(self.train_loader)
+        last_val: float | None = None
+        last_loss: float | None = None
+        saved_at: Path | None = None
+        try:
+            if self.resumed_from is not None:
+                self.console.print(f"resumed from {self.resumed_from} at step {self.step}")
+            self.throughput.reset()
+            while self.step < t.steps:
+                self.train_step(train_iter)
+                stop = self._agree_to_stop()
+                last_step = self.step == t.steps
+                if self.step % t.log_every == 0 or last_step or stop:
+                    last_loss = self._log()
+                if t.eval_every and (self.step % t.eval_every == 0 or last_step):
+                    last_val = self._evaluate()
+                if (
+                    last_step
+                    or stop
+                    or (t.checkpoint_every and self.step % t.checkpoint_every == 0)
+                ):
+                    saved_at = self.save_checkpoint()
+                if stop:
+                    self.console.print(
+                        f"stopped at step {self.step}; checkpoint saved to {saved_at}"
+                    )
+                    break
+                self.console.update(self.step)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.console.close()
+            self.metrics.close()
+        return {
+            "steps": self.step,
+            "final_loss": last_loss,
+            "final_val_loss": last_val,
+            "checkpoint": str(saved_at) if saved_at else None,
+            "stopped_early": self.step < t.steps,
+            "skipped_steps": self.skipped_total,
+        }
+
+    def train_step(self, train_iter) -> torch.Tensor:
+        """One optimizer step (also what `moetrain bench` times). Returns the loss on device."""
+        t, acc = self.config.train, self._acc
+        self._mark_phase(0)
+        loss = train_step.forward_backward(
+            self.model, train_iter, self.accum_steps, self.optimizer.no_sync
+        )
+        self.optimizer.finish_grad_sync()
+        self._mark_phase(1)
+        loss_finite = torch.isfinite(loss)
+        grad_norm = self.optimizer.step(lr_at(self.step, t), t.grad_clip, skip=~loss_finite)
+        finite = loss_finite & torch.isfinite(grad_norm)
+        self.optimizer.zero_grad()
+        self._end_of_step_moe()
+        self._mark_phase(2)
+        with torch.no_grad():
+            acc["loss"] += torch.where(finite, loss, 0.0)
+            acc["grad_norm"] += torch.where(finite, grad_norm.float(), 0.0)
+            acc["good"] += finite.float()
+            acc["bad"] += (~finite).float()
+            # consecutive non-finite steps, and the longest such run since the last log
+            self._bad_run.copy_((self._bad_run + 1) * (~finite).float())
+            acc["max_bad_run"].copy_(torch.maximum(acc["max_bad_run"], self._bad_run))
+        self.step += 1
+        self.throughput.add_tokens(self.tokens_per_step)
+        return loss
+
+    def _mark_phase(self, index: int) -> None:
+        """Benchmarks set `phase_events` to CUDA events to split a step into its phases."""
+        if self.phase_events is not None:
+            self.phase_events[index].record()
+
+    def _end_of_step_moe(self) -> None:
+        layers = self.model.moe_layers()
+        if self.config.moe.bias_update_rate > 0 and self.dims.world_size > 1:
+            all_reduce_stats([layer.step_tokens_per_expert_E for layer in layers], self.dims)
+        for layer in layers:
+            layer.end_of_step()
+
+    def _new_accumulators(self) -> dict[str, torch.Tensor]:
+        keys = ("loss", "grad_norm", "good", "bad", "max_bad_run")
+        return {k: torch.zeros((), device=self.device) for k in keys}
+
+    def _request_stop(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self._stop_requested = True
+
+    def _agree_to_stop(self) -> bool:
+        """Every rank must stop after the same step: OR the local flags over a gloo (CPU) group."""
+        if self._control_group is None:
+            return self._stop_requested
+        flag = torch.tensor([int(self._stop_requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ logging and eval
+    def _log(self) -> float | None:
+        t, acc = self.config.train, self._acc
+        self._acc = self._new_accumulators()
+        values = {k: v for k, v in acc.items()}
+        stats = [layer.read_stats() for layer in self.model.moe_layers()]
+        dispatch = read_dispatch_stats(self.model)
+        for name, s in zip(self._moe_names, stats, strict=True):
+            if f"{name}.dropped_routes" in dispatch:
+                s["dropped"] = dispatch[f"{name}.dropped_routes"]
+        if self.dims.world_size > 1:
+            scalars = torch.stack([values["loss"], values["good"]])
+            counts = [s[k] for s in stats for k in ("tokens_per_expert", "dropped") if k in s]
+            all_reduce_stats([scalars, *counts], self.dims)
+            values["loss"], values["good"] = scalars[0] / self.dims.dp, scalars[1] / self.dims.dp
+        host = {k: v.item() for k, v in values.items()}
+        good = max(host["good"], 1.0)
+        self.skipped_total += int(round(host["bad"]))
+        rates = self.throughput.measure()
+        record: dict[str, Any] = {
+            "kind": "train",
+            "step": self.step,
+            "loss": host["loss"] / good if host["good"] else math.nan,
+            "lr": lr_at(self.step - 1, t),
+            "grad_norm": host["grad_norm"] / good if host["good"] else math.nan,
+            **rates,
+            "peak_mem_gib": peak_memory_gib(self.device),
+            "skipped_steps": self.skipped_total,
+            "time": time.time(),
+            "moe": summarize_moe_stats(
+                dict(enumerate(stats)),
+                lb_weight=self.config.moe.lb_loss_weight,
+                z_weight=self.config.moe.z_loss_weight,
+            ),
+        }
+        record["lb_loss"] = _mean([layer["lb_loss"] for layer in record["moe"]])
+        record["z_loss"] = _mean([layer["z_loss"] for layer in record["moe"]])
+        for layer in record["moe"]:
+            warning = self.gaming.update(
+                self.step, layer["layer"], layer["lb_loss"], layer["max_mean"]
+            )
+            if warning:
+                self.console.print(f"warning: {warning}")
+        if self.is_main:
+            self.metrics.write(record)
+            self.console.update(self.step, record)
+        if host["max_bad_run"] >= t.max_bad_steps:
+            path = self.save_checkpoint()
+            raise TrainingStopped(
+                f"{int(host['max_bad_run'])} consecutive steps had a non-finite loss or gradient "
+                f"(train.max_bad_steps = {t.max_bad_steps}); saved {path} and stopped. Lower "
+                f"train.lr or check the data."
+            )
+        return record["loss"]
+
+    def _evaluate(self) -> float:
+        loss = train_step.evaluate(
+            self.model, iter(self.val_loader), self.config.train.eval_batches
+        )
+        if self.dims.world_size > 1:
+            all_reduce_stats([loss], self.dims)
+            loss = loss / self.dims.dp
+        value = loss.item()
+        record = {"kind": "eval", "step": self.step, "val_loss": value}
+        if self.is_main:
+            self.metrics.write(record)
+            self.console.update(self.step, record)
+        return value
+
+    # ------------------------------------------------------------------ checkpoints
+    def tensor_state(self) -> dict[str, Any]:
+        """What DCP saves and loads in place: every tensor under its global name and shape
+        (expert slices become DTensors; the sharded optimizer assembles global tensors itself)."""
+        optim = self.optimizer.state_dict()
+        if isinstance(self.optimizer, AdamW):
+            optim = globalize_experts(optim, self.dims)
+        return {
+            "model": globalize_experts(self.model.state_dict(), self.dims),
+            "optim": optim,
+            "rng": {"cpu": torch.get_rng_state()},
+        }
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "skipped_total": self.skipped_total,
+            "train_loader": self.train_loader.state_dict(),
+            "world_size": self.dims.world_size,
+        }
+
+    def save_checkpoint(self) -> Path:
+        import yaml
+
+        return manager.save(
+            self.checkpoint_root,
+            self.step,
+            self.tensor_state(),
+            self.trainer_state(),
+            yaml.safe_dump(self.config.to_dict(), sort_keys=False),
+            keep=self.config.train.keep_checkpoints,
+        )
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        state = self.tensor_state()
+        trainer_state = manager.load(path, state)
+        self.optimizer.load_state_dict(localize(state["optim"]))
+        torch.set_rng_state(state["rng"]["cpu"])
+        self.step = trainer_state["step"]
+        self.skipped_total = trainer_state.get("skipped_total", 0)
+        self.train_loader.load_state_dict(trainer_state["train_loader"])
+
+    def load_weights(self, path: str | Path) -> None:
+        """Model weights only (e.g. an imported Hugging Face model), for a fresh run."""
+        path = Path(path)
+        if not (path / manager.MANIFEST).is_file():
+            latest = manager.latest(path / "checkpoints") or manager.latest(path)
+            if latest is None:
+                raise ValueError(f"--init-from {path}: no complete checkpoint found there")
+            path = latest
+        manager.load(path, {"model": globalize_experts(self.model.state_dict(), self.dims)})
+        self.optimizer.reset_masters()
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None

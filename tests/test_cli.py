@@ -1,0 +1,81 @@
+"""The command line, called in-process: each subcommand does its job and bad input is exit 2."""
+
+import json
+
+import numpy as np
+
+from moetrain.cli import main
+from moetrain.data import load_split
+
+
+def test_prepare_round_trips_text_with_byte_tokenizer(tmp_path, capsys):
+    text = "héllo wörld\nsecond line ✓"
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.txt").write_text("another document")
+    assert (
+        main(
+            [
+                "prepare",
+                str(tmp_path / "a.txt"),
+                str(tmp_path / "b.txt"),
+                "--out",
+                str(tmp_path / "tok"),
+                "--val-fraction",
+                "0.5",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    ids = np.concatenate(
+        [load_split(tmp_path / "tok", "train"), load_split(tmp_path / "tok", "val")]
+    )
+    docs = bytes(int(i) for i in ids if i < 256).decode()
+    assert text in docs and "another document" in docs
+
+
+def test_prepare_missing_file_is_exit_2_without_output(tmp_path, capsys):
+    assert main(["prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "tok")]) == 2
+    assert "nope.txt" in capsys.readouterr().err
+    assert not (tmp_path / "tok").exists()
+
+
+def test_inspect_json_reports_counts(capsys):
+    assert main(["inspect", "--preset", "small", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["total_params"] == 942_441_472 and info["active_params"] == 186_287_104
+
+
+def test_bad_override_is_exit_2(capsys):
+    assert main(["inspect", "--preset", "tiny", "--set", "moe.top_k=99"]) == 2
+    assert "moe.top_k (99)" in capsys.readouterr().err
+
+
+def test_train_eval_generate(tmp_cache, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--run-dir",
+                str(run),
+                "--quiet",
+                "--set",
+                "train.steps=6",
+                "--set",
+                "train.eval_every=0",
+            ]
+        )
+        == 0
+    )
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 6
+    assert main(["eval", "--checkpoint", str(run), "--batches", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] < 6.0
+    assert (
+        main(["generate", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "8"])
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("def ")

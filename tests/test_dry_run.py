@@ -1,0 +1,120 @@
+"""The dry run: one rank's model on the meta device, with the right shapes, and nothing allocated."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain import plan as P
+from moetrain.dry_run import (
+    add_dry_run_arguments,
+    build_rank_model,
+    dry_run,
+    layout_from_config,
+    run_dry_run,
+)
+from moetrain.model.flops import param_counts
+from moetrain.presets import get_preset
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_dry_run_allocates_nothing(monkeypatch):
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("the dry run touched CUDA")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    config = get_preset("olmoe-1b-7b")  # 6.9B parameters: 13.8 GB in bf16 if materialized
+    layout = P.Layout(pp=1, dp=1, ep=1, micro_batch_size=4)
+    build_rank_model(config, layout, 0)  # pay one-time library imports before measuring
+    gc.collect()
+    before = _rss_bytes() if Path("/proc/self/status").exists() else None
+    model = build_rank_model(config, layout, 0)
+    report = dry_run(config, layout, 0)
+    if before is not None:
+        assert _rss_bytes() - before < 256 * 2**20
+    tensors = [*model.parameters(), *model.buffers()]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+    assert report.num_params == param_counts(config).total
+    assert not torch.cuda.is_initialized()
+
+
+def test_per_rank_shapes_with_ep4_pp2():
+    config = get_preset("small")  # 8 layers, 64 experts, d_model 1024, expert hidden 512
+    layout = P.Layout(pp=2, dp=4, ep=4, micro_batch_size=1)
+    V, D, F = 50304, 1024, 512
+    first = build_rank_model(config, layout, 0)  # stage 0, ep rank 0
+    assert sorted(first.blocks) == ["0", "1", "2", "3"]
+    assert first.embed.weight.shape == (V, D)
+    assert first.norm is None and first.lm_head is None
+    experts = first.blocks["0"].ffn.experts
+    assert experts.w_up_eD2F.shape == (16, D, 2 * F)
+    assert experts.w_down_eFD.shape == (16, F, D)
+    assert experts.expert_offset == 0
+    assert first.blocks["0"].ffn.router.gate.weight.shape == (64, D)  # the router is replicated
+
+    last = build_rank_model(config, layout, 7)  # stage 1, dp rank 3, ep rank 3
+    assert sorted(last.blocks) == ["4", "5", "6", "7"]
+    assert last.embed is None
+    assert last.norm.weight.shape == (D,) and last.lm_head.weight.shape == (V, D)
+    assert all(b.ffn.experts.expert_offset == 48 for b in last.blocks.values())
+    assert build_rank_model(config, layout, 5).blocks["4"].ffn.experts.expert_offset == 16
+    assert all(p.dtype == torch.bfloat16 for p in last.parameters())
+
+    report = dry_run(config, layout, 5)
+    assert (report.stage, report.dp_rank, report.ep_rank) == (1, 1, 1)
+    assert report.layers == range(4, 8) and report.experts == range(16, 32)
+    up = next(r for r in report.rows if r.name == "blocks.[4-7].ffn.experts.w_up_eD2F")
+    assert up.shape == (16, D, 2 * F) and up.count == 4 and up.kind == "expert"
+
+
+def test_ranks_together_hold_the_model_once():
+    config = get_preset("small")
+    layout = P.Layout(pp=2, dp=4, ep=4, micro_batch_size=1)
+    # one dp group of a stage holds each expert once and every dense parameter ep times
+    dense = experts = 0
+    for rank in range(layout.world_size):
+        stage, dp_rank, _ = P.rank_coordinates(layout, rank)
+        if dp_rank >= layout.ep:
+            continue
+        for name, p in build_rank_model(config, layout, rank).named_parameters():
+            if name.endswith(("w_up_eD2F", "w_down_eFD")):
+                experts += p.numel()
+            elif dp_rank == 0:
+                dense += p.numel()
+    assert dense + experts == param_counts(config).total
+
+
+def test_dry_run_of_the_trillion_preset_agrees_with_the_planner(capsys):
+    config = get_preset("trillion-1.2t")
+    layout = layout_from_config(config, 512)  # pp 8, dp 64, ep 8
+    for rank in (0, 511):
+        report = dry_run(config, layout, rank)  # asserts its count equals plan.rank_params
+        mem = P.stage_memory(config, layout, report.stage, report.num_microbatches)
+        assert report.param_bytes == mem.params
+        assert report.memory == mem
+    parser = argparse.ArgumentParser()
+    add_dry_run_arguments(parser)
+    args = parser.parse_args(["--dry-run", "--world-size", "512", "--rank", "511"])
+    assert run_dry_run(config, args) == 0
+    out = capsys.readouterr().out
+    assert "rank 511 of 512" in out and "stage 7, layers 91-103" in out
+    assert "experts 224-255" in out and "lm_head.weight" in out
+    assert "Nothing was allocated" in out
+
+
+def test_bad_rank_or_layout_is_a_value_error():
+    config = get_preset("small")
+    with pytest.raises(ValueError, match="rank"):
+        dry_run(config, P.Layout(pp=2, dp=4, ep=4, micro_batch_size=1), 8)
+    with pytest.raises(ValueError, match=r"parallel\.ep \(3\)"):
+        dry_run(config, P.Layout(pp=1, dp=3, ep=3, micro_batch_size=1), 0)

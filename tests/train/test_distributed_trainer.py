@@ -1,0 +1,140 @@
+"""The trainer across processes (gloo): torchrun with expert parallelism matches one process, and
+checkpoints reshard between layouts."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_distributed
+
+from moetrain.presets import tiny
+
+pytestmark = pytest.mark.distributed
+
+SEQ = 64
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if r["kind"] == "train"}
+
+
+def test_torchrun_ep2_matches_one_process(tmp_path):
+    """2 processes with ep=2 (micro-batch 4 each) vs 1 process accumulating 2 micro-batches of 4:
+    the same global batch, the same micro-batches, so the same losses."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "MOETRAIN_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    common = [
+        "--preset",
+        "tiny",
+        "--quiet",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "train.checkpoint_every=0",
+    ]
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moetrain",
+            "train",
+            "--run-dir",
+            str(tmp_path / "one"),
+            *common,
+            "--set",
+            f"train.global_batch_tokens={2 * 4 * SEQ}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "-m",
+            "moetrain",
+            "train",
+            "--run-dir",
+            str(tmp_path / "two"),
+            *common,
+            "--set",
+            "parallel.ep=2",
+            "--set",
+            "moe.dispatcher=all_to_all",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-4 * abs(a[step]), (step, a[step], b[step])
+
+
+def _layout_overrides(world: int, ep: int) -> list[str]:
+    # the same 8 sequences per step and the same micro-batches of 2 in every layout
+    return [
+        "train.micro_batch_size=2",
+        f"train.global_batch_tokens={8 * SEQ}",
+        f"parallel.ep={ep}",
+        "train.optimizer=sharded",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.checkpoint_every=2",
+        "train.steps=4",
+        "moe.dispatcher=all_to_all",
+    ]
+
+
+def _train(rank, world, run_dir, cache, ep, resume):
+    os.environ["MOETRAIN_CACHE"] = cache
+    from moetrain.train.trainer import Trainer
+
+    config = tiny().with_overrides(_layout_overrides(world, ep))
+    Trainer(config, run_dir, resume=resume, progress=False).train()
+    return None
+
+
+def test_checkpoint_reshards_between_layouts(tmp_path):
+    cache = str(tmp_path / "cache")
+    source = tmp_path / "dp4_ep2"
+    run_distributed(_train, 4, str(source), cache, 2, False)
+    reference = _losses(source)
+    for world, ep in ((2, 1), (1, 1)):
+        target = tmp_path / f"world{world}_ep{ep}"
+        (target / "checkpoints").mkdir(parents=True)
+        shutil.copytree(source / "checkpoints" / "step-2", target / "checkpoints" / "step-2")
+        if world == 1:
+            _train(0, 1, str(target), cache, ep, True)
+        else:
+            run_distributed(_train, world, str(target), cache, ep, True)
+        resumed = _losses(target)
+        for step in (3, 4):
+            assert abs(resumed[step] - reference[step]) <= 1e-6 * abs(reference[step]), (
+                world,
+                ep,
+                step,
+                resumed[step],
+                reference[step],
+            )
