@@ -155,7 +155,7 @@ class ParallelConfig:
     pp_microbatches: int | None = None  # None: the number of gradient-accumulation steps
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     activation_checkpointing: Literal["none", "moe", "full"] = "none"
-    compile: bool = False
+    compile: bool | None = None  # torch.compile each block; None: on for CUDA, off on CPU
 
     def __post_init__(self) -> None:
         s = "parallel"

@@ -36,7 +36,10 @@ from moetrain.parallel.mesh import ParallelDims
 def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Transformer:
     apply_ep(model, dims, config)
     apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
-    if config.parallel.compile:
+    compile_blocks = config.parallel.compile
+    if compile_blocks is None:  # on CPU compile time dwarfs the gain for the models one runs there
+        compile_blocks = dims.device.type == "cuda"
+    if compile_blocks:
         apply_compile(model)
     if config.parallel.data_parallel == "fsdp":
         apply_fsdp(model, dims)
