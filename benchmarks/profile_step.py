@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--optimizer", default="mixed")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--ops", type=int, default=0, help="also list the top N aten ops by shape")
     args = parser.parse_args()
     config = bench_config(get_preset(args.preset).with_overrides(args.set), "learned", args.optimizer)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -31,9 +32,13 @@ def main() -> None:
         for _ in range(3):
             trainer.train_step(it)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             trainer.train_step(it)
             torch.cuda.synchronize()
+    if args.ops:
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_device_time_total", row_limit=args.ops, max_name_column_width=40,
+            max_shapes_column_width=60))
     kernels: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:

@@ -4,7 +4,9 @@ It has the interface the trainer uses for every optimizer (ShardedAdamW has the 
 `no_sync()`, `finish_grad_sync()`, `step(lr, max_grad_norm, skip) -> grad_norm`, `zero_grad()`,
 `state_dict()`, `load_state_dict()`, `reset_masters()`, `state_bytes_per_rank()`.
 - Gradient communication is delegated to `grad_sync` (moetrain.parallel.data.GradientSync, or
-  None in one process); the global gradient norm and clipping to `clip_fn`.
+  None in one process); the global gradient norm (correct under every layout) to `norm_fn`.
+- Clipping: the fused kernels divide the gradients by AdamW's `grad_scale` as they read them,
+  so clipping costs no extra pass over the gradients on GPU; on CPU they are scaled in place.
 - fp32 parameters: torch AdamW (fused on CUDA, foreach on CPU, so CPU runs stay bitwise
   reproducible across resume).
 - bf16 parameters with master weights: fp32 copies of every parameter carry the update; the bf16
@@ -33,10 +35,10 @@ class AdamW:
         eps: float,
         master_weights: bool,
         fused: bool,
-        clip_fn: Callable[[float], torch.Tensor],
+        norm_fn: Callable[[], torch.Tensor],
         grad_sync: Any = None,
     ) -> None:
-        self.clip_fn, self.grad_sync = clip_fn, grad_sync
+        self.norm_fn, self.grad_sync = norm_fn, grad_sync
         self.params = [p for g in param_groups for p in g["params"]]
         self.use_masters = master_weights and any(p.dtype != torch.float32 for p in self.params)
         groups = []
@@ -78,13 +80,19 @@ class AdamW:
     ) -> torch.Tensor:
         """Clip (max_grad_norm > 0), then update unless `skip` or the norm is not finite.
         Returns the gradient norm before clipping, on the device."""
-        grad_norm = self.clip_fn(max_grad_norm)
+        grad_norm = self.norm_fn()
         bad = ~torch.isfinite(grad_norm)
         skip = bad if skip is None else skip | bad
-        self._update(lr, skip)
+        # torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1
+        clip = (
+            (max_grad_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0)
+            if max_grad_norm > 0
+            else None
+        )
+        self._update(lr, skip, clip)
         return grad_norm
 
-    def _update(self, lr: float, skip: torch.Tensor) -> None:
+    def _update(self, lr: float, skip: torch.Tensor, clip: torch.Tensor | None) -> None:
         for group in self.opt.param_groups:
             group["lr"] = lr * group["lr_mult"]
         if self.use_masters:
@@ -93,9 +101,14 @@ class AdamW:
         targets = self.masters if self.use_masters else self.params
         if self.fused:
             self.opt.found_inf = skip.float()
+            if clip is not None:
+                self.opt.grad_scale = clip.reciprocal()
             self.opt.step()
             del self.opt.found_inf
+            self.opt.__dict__.pop("grad_scale", None)
         else:
+            if clip is not None:
+                torch._foreach_mul_([t.grad for t in targets if t.grad is not None], clip)
             before = [t.detach().clone() for t in targets]
             states = [{k: v.clone() for k, v in self.opt.state[t].items()} for t in targets]
             self.opt.step()

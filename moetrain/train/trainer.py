@@ -30,7 +30,7 @@ from moetrain.model.flops import flops_per_token
 from moetrain.model.transformer import Transformer
 from moetrain.moe.fp8_gemm import make_grouped_gemm
 from moetrain.optim.adamw import AdamW
-from moetrain.optim.clip import clip_grad_norm_, global_grad_norm, params_with_kinds
+from moetrain.optim.clip import global_grad_norm, params_with_kinds
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.schedule import lr_at
 from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
@@ -74,12 +74,9 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
     grad_sync = GradientSync(model, dims) if dims.world_size > 1 and not fsdp else None
     pairs = params_with_kinds(groups)
 
-    def clip_fn(max_norm: float) -> torch.Tensor:
-        if fsdp:  # DTensor gradients: torch's clip understands them
-            params = [p for p, _ in pairs if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-        if max_norm > 0:
-            return clip_grad_norm_(pairs, max_norm, ep_group=dims.ep_group, pp_group=dims.pp_group)
+    def norm_fn() -> torch.Tensor:
+        if fsdp:  # DTensor gradients: torch's norm understands their sharding
+            return torch.nn.utils.get_total_norm([p.grad for p, _ in pairs if p.grad is not None])
         return global_grad_norm(pairs, ep_group=dims.ep_group, pp_group=dims.pp_group)
 
     optimizer = AdamW(
@@ -88,7 +85,7 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
         eps=t.eps,
         master_weights=config.precision.master_weights,
         fused=dims.device.type == "cuda",
-        clip_fn=clip_fn,
+        norm_fn=norm_fn,
         grad_sync=grad_sync,
     )
     optimizer.init_state()

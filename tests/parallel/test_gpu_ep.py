@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
+from moetrain.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.parallel import init_distributed, parallelize
@@ -37,6 +37,8 @@ def gpu_config(capacity_factor: float | None) -> RunConfig:
             capacity_factor=capacity_factor,
         ),
         train=TrainConfig(seq_len=SEQ, micro_batch_size=BATCH),
+        # eager: this checks the dispatcher; tests/gpu checks compiled training steps
+        parallel=ParallelConfig(compile=False),
     )
 
 
