@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The benchmark runs behind benchmarks/RESULTS.md, on one GPU. PART=1 or 2 (each fits one
+# 10-minute device call). Appends dated tables to $OUT/RESULTS.md (or ./RESULTS.new.md).
+set -uo pipefail
+OUT=${OUT:-.}; R=$OUT/RESULTS.md
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+if [[ ${PART:-1} == 1 ]]; then
+  python3 -m moetrain bench --preset small --compare hf --profile --json "$OUT/small.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
+  python3 -m moetrain bench --preset olmoe8 --compare hf --json "$OUT/olmoe8.json" --results-md "$R" 2>&1 | grep -v Warn | tail -8
+  python3 benchmarks/moe_layer_bench.py --preset small 2>&1 | tee -a "$OUT/moe_layer.txt"
+fi
+if [[ ${PART:-1} == 2 ]]; then
+  python3 -m moetrain bench --sweep --optimizer bf16-adamw --json "$OUT/sweep.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
+  python3 -m moetrain bench --preset olmoe8 --optimizer mixed --set precision.experts=fp8_rowwise --json "$OUT/olmoe8_fp8.json" --results-md "$R" 2>&1 | grep -v Warn | tail -5
+  timeout 120 python3 benchmarks/fp8_gemm_bench.py 2>&1 | tail -20 | tee "$OUT/fp8_gemm.txt"
+fi
