@@ -23,29 +23,15 @@ def count_tokens_per_expert(expert_ids_TK: torch.Tensor, num_experts: int) -> to
     return counts_E.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
-def load_balancing_loss(
-    probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, top_k: int
-) -> torch.Tensor:
-    """E * sum_e f_e * P_e. `probs_TE` are normalized router probabilities (each row sums to 1).
-    The route fractions f carry no gradient; the gradient reaches the router through P."""
-    num_tokens, num_experts = probs_TE.shape
-    fraction_E = tokens_per_expert_E.to(probs_TE.dtype) / (num_tokens * top_k)
-    mean_prob_E = probs_TE.mean(dim=0)
-    return num_experts * (fraction_E * mean_prob_E).sum()
-
-
-def global_load_balancing_loss(
-    probs_TE: torch.Tensor,
-    global_tokens_per_expert_E: torch.Tensor,
-    top_k: int,
-    global_num_tokens: int,
-) -> torch.Tensor:
-    """The global-batch variant: f from counts summed over every micro-batch and rank of the step.
-    The value each micro-batch contributes is its share (T / global T) of the global loss, so the
-    sum over micro-batches and ranks is exactly the global-batch loss."""
-    num_tokens, num_experts = probs_TE.shape
-    fraction_E = global_tokens_per_expert_E.to(probs_TE.dtype) / (global_num_tokens * top_k)
-    return num_experts * (fraction_E * probs_TE.sum(dim=0)).sum() / global_num_tokens
+def load_balancing_loss(probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """E * sum_e f_e * P_e. `probs_TE` are normalized router probabilities (each row sums to 1);
+    f_e = routes to e / all routes, from `tokens_per_expert_E`, which may be this micro-batch's
+    counts or counts summed over data-parallel ranks (the global-batch scope). The fractions
+    carry no gradient; the gradient reaches the router through P."""
+    num_experts = probs_TE.shape[1]
+    counts_E = tokens_per_expert_E.to(probs_TE.dtype)
+    fraction_E = counts_E / counts_E.sum().clamp_min(1)
+    return num_experts * (fraction_E * probs_TE.mean(dim=0)).sum()
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -4,18 +4,21 @@ Letters: B batch, S sequence, T = B*S tokens, D model dim, E experts.
 Auxiliary losses reach the router through `AddAuxLossGrad`: the layer output carries them, so
 `loss.backward()` on the language-model loss alone also backpropagates the weighted load-balancing
 and z-losses, in any stage of a pipeline and under activation checkpointing. `aux_grad_scale` is
-the factor the trainer applies to its own loss (1 / gradient-accumulation steps).
+the factor the trainer applies to its own loss (1 / gradient-accumulation steps; under pipeline
+parallelism 1 / pipeline micro-batches, set by moetrain.parallel.pipeline).
 Routing statistics (routes per expert, loss values) accumulate in device buffers and are read only
 when the trainer logs; nothing here syncs with the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from moetrain.config import MoEConfig
-from moetrain.moe.balance import update_expert_bias
+from moetrain.moe.balance import load_balancing_loss, update_expert_bias
 from moetrain.moe.dispatch import Dispatcher, LocalDispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.recompute import is_recomputing
@@ -60,6 +63,9 @@ class MoELayer(nn.Module):
         )
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_grad_scale = 1.0
+        # lb_scope "global_batch": sums route counts over the data-parallel ranks (installed by
+        # moetrain.parallel; None in one process, where the micro-batch is the global batch)
+        self.count_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
         E = config.num_experts
         # Statistics since the last read (log cadence) and since the last optimizer step.
         self.register_buffer(
@@ -81,10 +87,15 @@ class MoELayer(nn.Module):
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
-        if self.training and not is_recomputing():
-            self._record(routing)
+        if self.training:
+            if not is_recomputing():
+                self._record(routing)
+            lb_loss = routing.lb_loss
+            if self.config.lb_scope == "global_batch" and self.count_reducer is not None:
+                global_counts_E = self.count_reducer(routing.tokens_per_expert_E)
+                lb_loss = load_balancing_loss(routing.probs_TE, global_counts_E)
             aux_loss = (
-                self.config.lb_loss_weight * routing.lb_loss
+                self.config.lb_loss_weight * lb_loss
                 + self.config.z_loss_weight * routing.z_loss
             )
             if aux_loss.requires_grad:

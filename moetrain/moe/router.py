@@ -85,7 +85,7 @@ class TopKRouter(nn.Module):
             weights_TK=weights_TK,
             tokens_per_expert_E=tokens_per_expert_E,
             probs_TE=probs_TE,
-            lb_loss=balance.load_balancing_loss(probs_TE, tokens_per_expert_E, self.top_k),
+            lb_loss=balance.load_balancing_loss(probs_TE, tokens_per_expert_E),
             z_loss=balance.router_z_loss(logits_TE),
         )
 

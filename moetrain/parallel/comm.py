@@ -95,3 +95,13 @@ def all_to_all_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> tor
     out_GE = torch.empty_like(counts_E)
     dist.all_to_all_single(out_GE, counts_E.contiguous(), group=group)
     return out_GE.view(size, -1)
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def all_reduce_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Route counts summed over the group (a new tensor; the input is left as it is)."""
+    out_E = counts_E.clone()
+    if group is not None:
+        dist.all_reduce(out_E, group=group)
+    return out_E
