@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -113,6 +114,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 extra[f"{r.preset} {r.optimizer} vs scale-E8"] = (
                     f"{100 * (r.tokens_per_s / base[r.optimizer] - 1):+.1f}% tokens/s"
                 )
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports for all
+        return 0
     print(harness.markdown_table(results))
     for key, value in extra.items():
         print(f"{key}: {value}")
