@@ -9,6 +9,7 @@ invalid run never starts. Errors are `ValueError`s that name the field path, the
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -193,7 +194,11 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 500  # 0: only at the end
     keep_checkpoints: int = 2
-    max_bad_steps: int = 5  # consecutive NaN/inf steps before saving and stopping
+    max_bad_steps: int = 5  # consecutive skipped steps (NaN/inf, spikes) before save + stop
+    # > 0: skip a step whose loss exceeds the mean + spike_sigma x std of the losses of the last
+    # spike_window applied steps (once that many exist); 0 disables
+    spike_sigma: float = 0.0
+    spike_window: int = 50
 
     def __post_init__(self) -> None:
         s = "train"
@@ -223,7 +228,10 @@ class TrainConfig:
             "checkpoint_every",
             "expert_lr_mult",
             "router_lr_mult",
+            "spike_sigma",
         )
+        if self.spike_window < 2:
+            _fail("train.spike_window", self.spike_window, "must be >= 2 (it measures a spread)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _fail("train.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
         if not 0.0 < self.decay_fraction <= 1.0:
@@ -338,7 +346,8 @@ class RunConfig:
         unknown = set(data) - set(SECTIONS) - {"name"}
         if unknown:
             raise ValueError(
-                f"unknown config section(s) {sorted(unknown)}; allowed: name, {', '.join(SECTIONS)}"
+                f"unknown config section(s) {sorted(map(str, unknown))}; allowed: name, "
+                f"{', '.join(SECTIONS)}"
             )
         kwargs: dict[str, Any] = {}
         if "name" in data:
@@ -452,7 +461,13 @@ def _coerce(path: str, hint: Any, value: Any) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             _fail(path, value, "must be a number")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond the float range
+            _fail(path, value, "must be a finite number")
+        if not math.isfinite(value):
+            _fail(path, value, "must be a finite number")
+        return value
     if hint is str:
         if not isinstance(value, str):
             _fail(path, value, "must be a string")

@@ -76,6 +76,15 @@ def tmp_cache(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """Like tmp_cache, shared by a module's tests, so the embedded corpus is built once."""
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOETRAIN_CACHE", str(path))
+        yield path
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -6,24 +6,40 @@ A save writes into `step-N.tmp/`: the DCP shards of the tensor state (model, opt
 renames the directory to `step-N/`. A directory without a manifest, or whose name ends in `.tmp`,
 is never picked by `latest()`; a crash mid-save therefore leaves the previous checkpoint as the
 newest complete one. `verify()` rechecks sizes and hashes, so truncation or bit rot is a clear
-error instead of a confusing failure deep inside torch. The newest `keep` checkpoints are kept.
+error instead of a confusing failure deep inside torch. The newest `keep` checkpoints are kept. A
+failed save (a full disk) removes its temporary directory and raises a `CheckpointError`.
+
+Checkpoints may come from elsewhere, so reading one executes nothing it contains: DCP's `.metadata`
+is a pickle, read here by a restricted unpickler that admits only the classes DCP metadata is made
+of (`SafeFileSystemReader`); tensors are read by DCP with `torch.load(weights_only=True)`; and the
+few non-tensor values (the sharded optimizer's step count), which DCP's default planner would read
+with `weights_only=False`, are read with `weights_only=True` (`_SafeLoadPlanner`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from moetrain import faults
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
@@ -75,38 +91,98 @@ def save(
     config_yaml: str,
     keep: int = 2,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
+    """Collective: every rank calls it. Returns the final directory. A write that fails (a full
+    disk, a vanished mount) removes `step-N.tmp/` and raises a CheckpointError; the checkpoints
+    already there are untouched."""
     root = Path(checkpoint_root)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    with _quiet_dcp():
-        dcp.save(tensor_state, checkpoint_id=str(tmp))
-    _barrier()
-    if _rank() == 0:
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-        (tmp / "config.yaml").write_text(config_yaml)
-        files = {
-            p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(tmp.iterdir())
-            if p.is_file()
-        }
-        with (tmp / MANIFEST).open("w") as f:
-            json.dump({"step": step, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _prune(root, keep)
+    try:
+        if _rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        _barrier()
+        with _quiet_dcp():
+            dcp.save(tensor_state, checkpoint_id=str(tmp))
+        _barrier()
+        faults.in_save(step, _rank())
+        if _rank() == 0:
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            (tmp / "config.yaml").write_text(config_yaml)
+            files = {
+                p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+                for p in sorted(tmp.iterdir())
+                if p.is_file()
+            }
+            with (tmp / MANIFEST).open("w") as f:
+                json.dump({"step": step, "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            _prune(root, keep)
+    except (OSError, CheckpointException) as exc:  # DCP's own exception is a BaseException
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(root, step, exc) from None
     _barrier()
     return final
+
+
+def _save_error(root: Path, step: int, exc: BaseException) -> CheckpointError:
+    cause = _os_error(exc)
+    if cause is not None and cause.errno == errno.ENOSPC:
+        reason = "no space left on device (ENOSPC)"
+    elif cause is not None:
+        reason = str(cause)
+    else:
+        reason = str(exc).strip().splitlines()[-1]
+    if cause is not None and cause.filename:
+        reason += f" writing {cause.filename}"
+    newest = list_complete(root)
+    kept = f"the newest complete checkpoint is still {newest[-1]}" if newest else "none existed"
+    return CheckpointError(
+        f"saving checkpoint step-{step} under {root} failed: {reason}; the partial "
+        f"step-{step}.tmp was removed and {kept}"
+    )
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: itself, one of DCP's per-rank failures, or a cause."""
+    seen: list[BaseException] = [exc]
+    while seen:
+        e = seen.pop()
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            seen.extend(failure for failure, _ in e.failures.values())
+        if e.__cause__ is not None:
+            seen.append(e.__cause__)
+    return None
+
+
+def check_writable(directory: Path | str) -> None:
+    """Create `directory` and write, fsync and delete a small file in it, so an unwritable run
+    directory is a clear error before any training rather than at the first save."""
+    directory = Path(directory)
+    probe = directory / f".write-test-{uuid.uuid4().hex}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with probe.open("wb") as f:
+            f.write(b"moetrain")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and exc.filename != str(directory) else ""
+        raise CheckpointError(
+            f"cannot write checkpoints to {directory}: {exc.strerror or exc}{where}; choose "
+            "another --run-dir, or fix its permissions or free space"
+        ) from None
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -166,11 +242,89 @@ def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# The globals a DCP `.metadata` pickle of tensors and plain values references (listed from real
+# checkpoints of the model, AdamW and sharded-AdamW states), plus every torch dtype.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "ChunkStorageMetadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # torch.strided and the other layouts, by name
+    "pathlib": {"PosixPath", "WindowsPath"},  # StorageMeta.checkpoint_id
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        dtype = vars(torch).get(name) if module == "torch" else None  # no lazy imports
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """A DCP reader whose metadata unpickling can construct DCP metadata and nothing else."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except Exception as exc:  # anything a damaged or hostile pickle raises
+            raise CheckpointError(f"{path} is not a checkpoint metadata file: {exc}") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(
+                f"{path} is not a checkpoint metadata file: it holds a {type(metadata).__name__}"
+            )
+        for info in (metadata.storage_data or {}).values():  # shards live next to .metadata
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+                raise CheckpointError(f"{path} points at a file outside its directory: {name!r}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: Path | str) -> Metadata:
+    """The DCP metadata of a checkpoint directory (names, shapes, dtypes), read safely."""
+    with _quiet_dcp():
+        return SafeFileSystemReader(str(path)).read_metadata()
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP saves non-tensor values with torch.save, and the default planner reads them back with
+    torch.load(weights_only=False), which runs whatever the bytes name. Here they are read with
+    weights_only=True (tensors, numbers, strings, containers); the default planner only ever sees
+    bytes re-serialized from that safe value."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            safe = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint entry {read_item.dest_index.fqn} is not a plain value: {exc}"
+            ) from None
+        buffer = io.BytesIO()
+        torch.save(safe, buffer)
+        buffer.seek(0)
+        super().load_bytes(read_item, buffer)
+
+
 def check_shapes(path: Path | str, tensor_state: dict[str, Any]) -> None:
     """Compare every tensor's global shape with the checkpoint's before loading anything, so a
     checkpoint of another model shape is one readable error rather than a DCP stack trace."""
-    with _quiet_dcp():
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     problems = []
     for name, value in _flatten(tensor_state).items():
         if not hasattr(value, "shape"):
@@ -208,7 +362,11 @@ def load(
     check_shapes(path, tensor_state)
     try:
         with _quiet_dcp():
-            dcp.load(tensor_state, checkpoint_id=str(path))
+            dcp.load(
+                tensor_state,
+                storage_reader=SafeFileSystemReader(str(path)),
+                planner=_SafeLoadPlanner(),
+            )
     except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
         raise CheckpointError(f"cannot load checkpoint {path} into this model: {exc}") from exc
     return json.loads((path / TRAINER_STATE).read_text())

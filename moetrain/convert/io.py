@@ -9,8 +9,8 @@ a Hugging Face tokenizer. The output is built in a sibling `.tmp` directory and 
 so a crash never leaves a half-written export. `import_hf` is the reverse: it writes a step-0
 checkpoint with only the "model" part, which `load_model_weights` loads into a freshly built model
 (training's `--init-from`). Weights are read from safetensors only: nothing here unpickles a
-weights file. (DCP's own `.metadata` of a moetrain checkpoint is a pickle, trusted exactly as
-resuming a run trusts it.) `safetensors` (and `tokenizers` for tokenizer files) are optional
+weights file, and a checkpoint's DCP `.metadata` pickle is read by the restricted unpickler of
+`checkpoint.manager`, which constructs DCP metadata classes and nothing else. `safetensors` (and `tokenizers` for tokenizer files) are optional
 dependencies (`pip install moetrain[hf]`); their absence is a ValueError saying so.
 """
 
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -65,7 +64,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def stored_model_tensors(checkpoint: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Global shape and dtype of every tensor of the checkpoint's "model" part, by name."""
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    metadata = manager.read_metadata(checkpoint)
     return {
         fqn.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
         for fqn, meta in metadata.state_dict_metadata.items()

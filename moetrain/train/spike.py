@@ -1,0 +1,53 @@
+"""Loss-spike detection on the device: is this step's loss far above the recent ones?
+
+A step is a spike when its loss exceeds ``mean + sigma * std`` of the losses of the last `window`
+applied steps (population std), once `window` of them exist; the trainer skips a spike like a
+non-finite step. Only losses of applied steps enter the window, so a run of spikes does not
+widen the band that should catch it: a lasting jump in the loss is skipped step after step until
+`train.max_bad_steps` stops the run. Invariants: the window is a device ring buffer and the
+decision a device bool, so nothing here waits for the device (no `.item()`, no Python branch on
+a tensor); the window travels in checkpoints (`state_dict`) so resumed runs decide alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class LossSpikeDetector:
+    def __init__(self, sigma: float, window: int, device: torch.device) -> None:
+        if sigma <= 0 or window < 2:
+            raise ValueError(f"sigma ({sigma}) must be > 0 and window ({window}) >= 2")
+        self.sigma, self.window = float(sigma), int(window)
+        self.losses_W = torch.zeros(window, device=device)  # a ring: slot = count % window
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # losses recorded
+
+    def is_spike(self, loss: torch.Tensor) -> torch.Tensor:
+        """Device bool: `loss` is finite and above the band of the window (always false until the
+        window is full; a non-finite loss is the trainer's other skip reason, not a spike)."""
+        loss = loss.float()
+        std, mean = torch.std_mean(self.losses_W, correction=0)
+        above = loss > mean + self.sigma * std
+        return (self.count >= self.window) & above & torch.isfinite(loss)
+
+    def record(self, loss: torch.Tensor, applied: torch.Tensor) -> None:
+        """Add `loss` to the window where the device bool `applied` is true."""
+        slot_1 = (self.count % self.window).view(1)
+        old_1 = self.losses_W.index_select(0, slot_1)
+        self.losses_W.index_copy_(0, slot_1, torch.where(applied, loss.float(), old_1))
+        self.count += applied.long()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python values (read once, at checkpoint time): float32 -> float is exact."""
+        return {"losses": self.losses_W.tolist(), "count": int(self.count)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A window of another length (train.spike_window changed on resume) is not restored:
+        the window starts empty and detection resumes once it has filled again."""
+        losses = state["losses"]
+        if len(losses) != self.window:
+            return
+        self.losses_W.copy_(torch.tensor(losses, dtype=self.losses_W.dtype))
+        self.count.fill_(int(state["count"]))
