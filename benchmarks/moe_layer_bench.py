@@ -31,8 +31,10 @@ def main() -> None:
     mm = matmul_tflops(device)
     # expert GEMM FLOPs per step: 3 products (gate/up fused counts 2) x fwd+bwd (x3)
     expert_flops = 6 * T * moe.top_k * 3 * D * moe.expert_hidden
-    print(f"{args.preset}: T={T} D={D} E={moe.num_experts} k={moe.top_k} F={moe.expert_hidden}; "
-          f"measured matmul {mm:.0f} TFLOP/s")
+    print(
+        f"{args.preset}: T={T} D={D} E={moe.num_experts} k={moe.top_k} F={moe.expert_hidden}; "
+        f"measured matmul {mm:.0f} TFLOP/s"
+    )
     x = torch.randn(t.micro_batch_size, t.seq_len, D, device=device, dtype=torch.bfloat16)
     for name, gemm in (("grouped_mm", None), ("reference loop", grouped_mm_reference)):
         layer = MoELayer(moe, D).to(device)
@@ -45,13 +47,15 @@ def main() -> None:
         xi = x.clone().requires_grad_()
         grad = torch.randn_like(x)
 
-        def step():
+        def step(layer=layer, xi=xi, grad=grad):
             layer(xi).backward(grad)
 
         stats = summarize(time_steps(step, warmup=3, steps=10, device=device))
         ms = stats["median_ms"]
-        print(f"  {name:15s} fwd+bwd {ms:7.2f} ms  (expert GEMM FLOPs at {expert_flops / ms / 1e9:.0f} "
-              f"TFLOP/s over the whole layer time = {100 * expert_flops / ms / 1e9 / mm:.0f}% of matmul)")
+        print(
+            f"  {name:15s} fwd+bwd {ms:7.2f} ms  (expert GEMM FLOPs at {expert_flops / ms / 1e9:.0f} "
+            f"TFLOP/s over the whole layer time = {100 * expert_flops / ms / 1e9 / mm:.0f}% of matmul)"
+        )
 
 
 if __name__ == "__main__":

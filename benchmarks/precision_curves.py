@@ -26,17 +26,25 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for recipe in ("bf16", "fp8_rowwise", "mxfp8"):
-        config = get_preset(args.preset).with_overrides([
-            f"train.steps={args.steps}", f"precision.experts={recipe}", "train.log_every=25",
-            f"train.eval_every={args.steps}", "train.checkpoint_every=0"])
+        config = get_preset(args.preset).with_overrides(
+            [
+                f"train.steps={args.steps}",
+                f"precision.experts={recipe}",
+                "train.log_every=25",
+                f"train.eval_every={args.steps}",
+                "train.checkpoint_every=0",
+            ]
+        )
         with tempfile.TemporaryDirectory() as run_dir:
             summary = Trainer(config, run_dir, device=args.device, progress=False).train()
-            lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+            lines = [
+                json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+            ]
         curve = [round(r["loss"], 3) for r in lines if r["kind"] == "train"]
         rows.append((recipe, summary["final_loss"], summary["final_val_loss"], curve))
         print(recipe, curve, flush=True)
     base = rows[0][2]
-    print(f"\n| recipe | final train loss | final val loss | val vs unquantized |")
+    print("\n| recipe | final train loss | final val loss | val vs unquantized |")
     print("|---|---|---|---|")
     for recipe, train, val, _ in rows:
         print(f"| {recipe} | {train:.4f} | {val:.4f} | {100 * (val / base - 1):+.2f}% |")

@@ -1,6 +1,6 @@
 """Top GPU kernels of one training step of a preset, for finding where time goes.
 
-    python benchmarks/profile_step.py --preset small [--set parallel.compile=true] [--top 40]
+python benchmarks/profile_step.py --preset small [--set parallel.compile=true] [--top 40]
 """
 
 from __future__ import annotations
@@ -25,26 +25,37 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--ops", type=int, default=0, help="also list the top N aten ops by shape")
     args = parser.parse_args()
-    config = bench_config(get_preset(args.preset).with_overrides(args.set), "learned", args.optimizer)
+    config = bench_config(
+        get_preset(args.preset).with_overrides(args.set), "learned", args.optimizer
+    )
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(config, run_dir, device="cuda", progress=False)
         it = iter(trainer.train_loader)
         for _ in range(3):
             trainer.train_step(it)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        with profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+        ) as prof:
             trainer.train_step(it)
             torch.cuda.synchronize()
     if args.ops:
-        print(prof.key_averages(group_by_input_shape=True).table(
-            sort_by="self_device_time_total", row_limit=args.ops, max_name_column_width=40,
-            max_shapes_column_width=60))
+        print(
+            prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_device_time_total",
+                row_limit=args.ops,
+                max_name_column_width=40,
+                max_shapes_column_width=60,
+            )
+        )
     kernels: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels.setdefault(e.name, []).append(e.device_time_total / 1e3)
     total = sum(sum(v) for v in kernels.values())
-    print(f"total GPU kernel time {total:.1f} ms over {sum(len(v) for v in kernels.values())} kernels")
+    print(
+        f"total GPU kernel time {total:.1f} ms over {sum(len(v) for v in kernels.values())} kernels"
+    )
     for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
         print(f"{sum(times):8.2f} ms {len(times):5d}x  [{classify(name)[:12]:12s}] {name[:150]}")
 

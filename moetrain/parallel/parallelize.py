@@ -1,14 +1,21 @@
 """The parallelization recipe: one ordered list of transforms applied to a built model.
 
-    1. expert parallelism      shard experts over ep, install the EP dispatcher (apply_ep)
-    2. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
-    3. torch.compile            each block on its own (nn.Module.compile, in place)
-    4. data parallelism         FSDP2 when parallel.data_parallel == "fsdp"; for "ddp" the trainer
+    1. pipeline split           pp > 1: keep only this rank's pipeline stages (apply_pipeline_split;
+                                the schedule is built on the materialized model: pipeline.Pipeline)
+    2. expert parallelism      shard experts over ep, install the EP dispatcher (apply_ep)
+    3. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
+    4. torch.compile            each block on its own (nn.Module.compile, in place)
+    5. data parallelism         FSDP2 when parallel.data_parallel == "fsdp"; for "ddp" the trainer
                                 wraps its backward with data.GradientSync instead
 
-Ordering: EP first, because it changes parameter shapes and the layers' dispatchers that the
-later steps wrap; checkpointing before compile, so the compiled region includes the checkpoint;
-FSDP last, because it takes ownership of the final parameters (in the order torchtitan uses).
+Ordering: the pipeline split first, because it deletes the modules other stages own: every later
+step then touches only this rank's layers (EP shards only their experts, nothing else is ever
+allocated), and the split needs the global model, whose blocks are keyed by global layer index.
+EP next, because it changes parameter shapes and the layers' dispatchers that the later steps
+wrap; checkpointing before compile, so the compiled region includes the checkpoint; FSDP last,
+because it takes ownership of the final parameters (in the order torchtitan uses). FSDP is not
+combined with pp > 1, and zero_bubble not with compile (torch cannot split a compiled block's
+backward into its input and weight parts).
 Every transform works in place and keeps parameter names (no wrapper modules), so checkpoints
 and parameter groups see the same names under every layout. Works on the meta device (before
 `to_empty` + `init_weights`) and on a materialized model. One caveat for FSDP: `init_weights` on
@@ -28,22 +35,45 @@ from moetrain.config import RunConfig
 from moetrain.model.transformer import Transformer
 from moetrain.moe.layer import MoELayer
 from moetrain.moe.recompute import recomputing
+from moetrain.parallel.comm import all_reduce_counts
 from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep
 from moetrain.parallel.mesh import ParallelDims
+from moetrain.parallel.pipeline import apply_pipeline_split
 
 
 def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Transformer:
-    apply_ep(model, dims, config)
-    apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
     compile_blocks = config.parallel.compile
     if compile_blocks is None:  # on CPU compile time dwarfs the gain for the models one runs there
         compile_blocks = dims.device.type == "cuda"
+    if dims.pp > 1:
+        if compile_blocks and config.parallel.pp_schedule == "zero_bubble":
+            raise ValueError(
+                "parallel.pp_schedule (zero_bubble) cannot run compiled blocks: torch's "
+                "zero-bubble schedules split each backward into input and weight passes, which "
+                "a compiled region does not support; set parallel.compile=false"
+            )
+        apply_pipeline_split(model, config, dims)
+    apply_ep(model, dims, config)
+    apply_global_load_balance(model, config, dims)
+    apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
     if compile_blocks:
         apply_compile(model)
     if config.parallel.data_parallel == "fsdp":
         apply_fsdp(model, dims)
     return model
+
+
+def apply_global_load_balance(model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
+    """moe.lb_scope "global_batch": the balance loss of every micro-batch uses route counts summed
+    over the data-parallel ranks of the stage (one small all-reduce per layer and micro-batch), so
+    its fractions f_e are those of the global micro-batch instead of this rank's share."""
+    if config.moe.lb_scope != "global_batch" or dims.dp_group is None:
+        return
+    reducer = functools.partial(all_reduce_counts, group=dims.dp_group)
+    for layer in model.modules():
+        if isinstance(layer, MoELayer):
+            layer.count_reducer = reducer
 
 
 def _recompute_contexts() -> tuple[contextlib.AbstractContextManager, ...]:

@@ -6,10 +6,11 @@ parallelism, activation checkpointing, compile), materialized with `to_empty`, i
 loaders, and, with `resume`, the state of the newest complete checkpoint.
 
 One step: micro-batch forward/backward (train/step.py) -> gradient sync -> global-norm clip ->
-optimizer step, skipped on the device when the loss or a gradient is not finite -> MoE end-of-step
-(aux-loss-free bias update). Metrics stay on the device and are read at the log cadence only.
-SIGTERM / Ctrl-C finish the current step, save a checkpoint and return; K consecutive non-finite
-steps (seen at a log step) save and stop with an error message.
+optimizer step, skipped on the device when the loss or a gradient is not finite or the loss spikes
+above its recent window (train/spike.py) -> MoE end-of-step (aux-loss-free bias update). Metrics
+stay on the device and are read at the log cadence only. SIGTERM / Ctrl-C finish the current step,
+save a checkpoint and return; K consecutive skipped steps (seen at a log step) save and stop with
+an error message. An unwritable run directory is an error before the model is built.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moetrain import faults
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
 from moetrain.data import RandomTokenLoader, SequenceLoader, open_data
@@ -38,9 +40,11 @@ from moetrain.parallel.data import GradientSync, all_reduce_stats
 from moetrain.parallel.expert import globalize_experts, localize, read_dispatch_stats
 from moetrain.parallel.mesh import ParallelDims, init_distributed
 from moetrain.parallel.parallelize import parallelize
+from moetrain.parallel.pipeline import Pipeline
 from moetrain.train import step as train_step
 from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory_gib
 from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
+from moetrain.train.spike import LossSpikeDetector
 
 
 class TrainingStopped(RuntimeError):
@@ -133,6 +137,7 @@ class Trainer:
         self.is_main = self.dims.rank == 0
         self.run_dir = Path(run_dir or Path("runs") / config.name)
         self.checkpoint_root = self.run_dir / "checkpoints"
+        manager.check_writable(self.checkpoint_root)  # fail now, not at the first save
         self.accum_steps = config.grad_accum_steps(self.dims.dp)
         t = config.train
         self.tokens_per_step = t.micro_batch_size * t.seq_len * self.accum_steps * self.dims.dp
@@ -150,6 +155,8 @@ class Trainer:
         apply_precision(model, config, self.device)
         model.train()
         self.model = model
+        # pp > 1: this rank's stages and the schedule that replaces the micro-batch loop
+        self.pipeline = Pipeline(model, config, self.dims) if self.dims.pp > 1 else None
         self._moe_names = [n for n, m in model.named_modules() if m in set(model.moe_layers())]
 
         # ---- optimizer (it owns gradient synchronization and clipping) ----
@@ -161,23 +168,31 @@ class Trainer:
         # ---- state that checkpoints carry ----
         self.step = 0
         self.skipped_total = 0
+        self.spike_total = 0
+        self.spikes = (
+            LossSpikeDetector(t.spike_sigma, t.spike_window, self.device)
+            if t.spike_sigma > 0
+            else None
+        )
         self._stop_requested = False
         self._bad_run = torch.zeros((), device=self.device)
         self._acc = self._new_accumulators()
         self.phase_events: list | None = None
         self._control_group = dist.new_group(backend="gloo") if self.dims.world_size > 1 else None
 
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            config.save_yaml(self.run_dir / "config.yaml")
         self.resumed_from: Path | None = None
         if resume:
             latest = manager.latest(self.checkpoint_root)
             if latest is not None:
                 self.load_checkpoint(latest)
                 self.resumed_from = latest
+            elif progress and self.is_main:  # a first start under a requeue-safe --resume
+                print(f"no complete checkpoint under {self.checkpoint_root}: starting at step 0")
         elif init_from is not None:
             self.load_weights(init_from)
+        if self.is_main:  # after loading: a config the checkpoint rejects does not replace it
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            config.save_yaml(self.run_dir / "config.yaml")
 
         self.console = Console(t.steps, self.step, enabled=progress and self.is_main)
         self.metrics = MetricsSink(self.run_dir, enabled=self.is_main)
@@ -225,6 +240,7 @@ class Trainer:
             self.throughput.reset()
             while self.step < t.steps:
                 self.train_step(train_iter)
+                faults.after_step(self.step, self.dims.rank)
                 stop = self._agree_to_stop()
                 last_step = self.step == t.steps
                 if self.step % t.log_every == 0 or last_step or stop:
@@ -261,24 +277,34 @@ class Trainer:
         """One optimizer step (also what `moetrain bench` times). Returns the loss on device."""
         t, acc = self.config.train, self._acc
         self._mark_phase(0)
-        loss = train_step.forward_backward(
-            self.model, train_iter, self.accum_steps, self.optimizer.no_sync
-        )
+        if self.pipeline is not None:  # the same loss on every stage
+            loss = self.pipeline.forward_backward(train_iter, self.optimizer.no_sync)
+        else:
+            loss = train_step.forward_backward(
+                self.model, train_iter, self.accum_steps, self.optimizer.no_sync
+            )
         self.optimizer.finish_grad_sync()
         self._mark_phase(1)
-        loss_finite = torch.isfinite(loss)
-        grad_norm = self.optimizer.step(lr_at(self.step, t), t.grad_clip, skip=~loss_finite)
-        finite = loss_finite & torch.isfinite(grad_norm)
+        skip = ~torch.isfinite(loss)
+        if self.spikes is not None:  # judged on the global batch's loss, so all ranks agree
+            batch_loss = all_reduce_stats([loss.clone()], self.dims)[0] / self.dims.dp
+            spike = self.spikes.is_spike(batch_loss)
+            skip = skip | spike
+        grad_norm = self.optimizer.step(lr_at(self.step, t), t.grad_clip, skip=skip)
+        applied = ~skip & torch.isfinite(grad_norm)
+        if self.spikes is not None:
+            self.spikes.record(batch_loss, applied)
+            acc["spikes"] += spike.float()
         self.optimizer.zero_grad()
         self._end_of_step_moe()
         self._mark_phase(2)
         with torch.no_grad():
-            acc["loss"] += torch.where(finite, loss, 0.0)
-            acc["grad_norm"] += torch.where(finite, grad_norm.float(), 0.0)
-            acc["good"] += finite.float()
-            acc["bad"] += (~finite).float()
-            # consecutive non-finite steps, and the longest such run since the last log
-            self._bad_run.copy_((self._bad_run + 1) * (~finite).float())
+            acc["loss"] += torch.where(applied, loss, 0.0)
+            acc["grad_norm"] += torch.where(applied, grad_norm.float(), 0.0)
+            acc["good"] += applied.float()
+            acc["bad"] += (~applied).float()
+            # consecutive skipped steps, and the longest such run since the last log
+            self._bad_run.copy_((self._bad_run + 1) * (~applied).float())
             acc["max_bad_run"].copy_(torch.maximum(acc["max_bad_run"], self._bad_run))
         self.step += 1
         self.throughput.add_tokens(self.tokens_per_step)
@@ -297,7 +323,7 @@ class Trainer:
             layer.end_of_step()
 
     def _new_accumulators(self) -> dict[str, torch.Tensor]:
-        keys = ("loss", "grad_norm", "good", "bad", "max_bad_run")
+        keys = ("loss", "grad_norm", "good", "bad", "spikes", "max_bad_run")
         return {k: torch.zeros((), device=self.device) for k in keys}
 
     def _request_stop(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
@@ -321,6 +347,8 @@ class Trainer:
         for name, s in zip(self._moe_names, stats, strict=True):
             if f"{name}.dropped_routes" in dispatch:
                 s["dropped"] = dispatch[f"{name}.dropped_routes"]
+        if self.pipeline is not None:  # every stage's layers, numbered as in one process
+            stats = self.pipeline.gather_moe_stats(stats)
         if self.dims.world_size > 1:
             scalars = torch.stack([values["loss"], values["good"]])
             counts = [s[k] for s in stats for k in ("tokens_per_expert", "dropped") if k in s]
@@ -329,6 +357,7 @@ class Trainer:
         host = {k: v.item() for k, v in values.items()}
         good = max(host["good"], 1.0)
         self.skipped_total += int(round(host["bad"]))
+        self.spike_total += int(round(host["spikes"]))
         rates = self.throughput.measure()
         record: dict[str, Any] = {
             "kind": "train",
@@ -339,6 +368,7 @@ class Trainer:
             **rates,
             "peak_mem_gib": peak_memory_gib(self.device),
             "skipped_steps": self.skipped_total,
+            "spike_steps": self.spike_total,
             "time": time.time(),
             "moe": summarize_moe_stats(
                 dict(enumerate(stats)),
@@ -359,17 +389,23 @@ class Trainer:
             self.console.update(self.step, record)
         if host["max_bad_run"] >= t.max_bad_steps:
             path = self.save_checkpoint()
+            why = "a non-finite loss or gradient"
+            if host["spikes"]:
+                why += f" or a loss spike ({int(host['spikes'])} since the last log)"
             raise TrainingStopped(
-                f"{int(host['max_bad_run'])} consecutive steps had a non-finite loss or gradient "
+                f"{int(host['max_bad_run'])} consecutive steps were skipped for {why} "
                 f"(train.max_bad_steps = {t.max_bad_steps}); saved {path} and stopped. Lower "
                 f"train.lr or check the data."
             )
         return record["loss"]
 
     def _evaluate(self) -> float:
-        loss = train_step.evaluate(
-            self.model, iter(self.val_loader), self.config.train.eval_batches
-        )
+        if self.pipeline is not None:
+            loss = self.pipeline.evaluate(iter(self.val_loader), self.config.train.eval_batches)
+        else:
+            loss = train_step.evaluate(
+                self.model, iter(self.val_loader), self.config.train.eval_batches
+            )
         if self.dims.world_size > 1:
             all_reduce_stats([loss], self.dims)
             loss = loss / self.dims.dp
@@ -397,8 +433,10 @@ class Trainer:
         return {
             "step": self.step,
             "skipped_total": self.skipped_total,
+            "spike_total": self.spike_total,
             "train_loader": self.train_loader.state_dict(),
             "world_size": self.dims.world_size,
+            **({"loss_window": self.spikes.state_dict()} if self.spikes is not None else {}),
         }
 
     def save_checkpoint(self) -> Path:
@@ -420,6 +458,9 @@ class Trainer:
         torch.set_rng_state(state["rng"]["cpu"])
         self.step = trainer_state["step"]
         self.skipped_total = trainer_state.get("skipped_total", 0)
+        self.spike_total = trainer_state.get("spike_total", 0)
+        if self.spikes is not None and "loss_window" in trainer_state:
+            self.spikes.load_state_dict(trainer_state["loss_window"])
         self.train_loader.load_state_dict(trainer_state["train_loader"])
 
     def load_weights(self, path: str | Path) -> None:

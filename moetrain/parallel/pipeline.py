@@ -1,0 +1,328 @@
+"""Pipeline parallelism: this rank's stages of the model, run by a torch.distributed.pipelining
+schedule, with expert and data parallelism inside every stage.
+
+Split. The layers are cut into num_stages = pp x v contiguous ranges by `plan.stage_layer_ranges`
+(v = 2 stages per rank for interleaved_1f1b, else 1; uneven splits give the first and last stage
+the fewer layers, since they also hold the embedding and the head). Stage s runs on pp rank
+s % pp, the loop placement torch's interleaved schedules expect. Stage 0 holds the embedding; the
+last stage holds the final norm and the LM head and computes the loss. `split_model` deletes from
+the meta model every module that none of this rank's stages owns; what stays keeps its global name
+(blocks stay keyed by global layer index), so parameter groups, gradient sync, optimizer states
+and checkpoints see global names, and a checkpoint reshards across pipeline layouts as it does
+across dp and ep. `StageModule` is one stage's view of that model: the same module objects.
+
+Schedules (`parallel.pp_schedule`): gpipe (ScheduleGPipe), 1f1b (Schedule1F1B),
+interleaved_1f1b (ScheduleInterleaved1F1B, 2 stages per rank) and zero_bubble
+(ScheduleInterleavedZeroBubble with one stage per rank, i.e. ZB-H1: the backward is split into an
+input-gradient pass and a weight-gradient pass that fills the bubble). Stage shapes are given
+statically, so no stage runs a metadata-inference forward (which would count routes, draw random
+experts and run expert all-to-alls outside the step).
+
+One step, as the trainer calls it: `forward_backward` stacks the step's gradient-accumulation
+micro-batches into one batch of (accum x micro_batch_size) sequences and calls `schedule.step`,
+which cuts it into m = parallel.pp_microbatches (default: accum) pipeline micro-batches. The last
+stage's loss is `model.loss / m` and every MoE layer's `aux_grad_scale` is 1 / m, so gradients are
+those of the mean loss over the step's batch, as in the unpipelined loop; the schedule's own
+scaling is off (`scale_grads=False`): it would divide gradients after the sync hooks read them.
+Every backward of a stage but its last runs under the optimizer's `no_sync()`; the last lets the
+gradient-sync hooks launch reductions while the rest of the backward runs. Zero-bubble weight
+passes write `.grad` without the hooks; the trainer's `finish_grad_sync()` collects those.
+
+Reductions across stages: the loss (known on the last stage) is summed over pp every step, since
+every stage must agree on skipping a non-finite step; the gradient norm sums over pp in
+`global_grad_norm` / `ShardedAdamW`; MoE routing statistics are gathered to every rank
+(`gather_moe_stats`) so the log shows every layer, numbered as in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from moetrain.config import RunConfig
+from moetrain.model.transformer import Transformer
+from moetrain.moe.layer import MoELayer
+from moetrain.parallel.mesh import ParallelDims
+from moetrain.plan.layout import INTERLEAVED_CHUNKS, stage_layer_ranges
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": INTERLEAVED_CHUNKS, "zero_bubble": 1}
+# Schedules that run several forwards before the first backward need a micro-batch per stage.
+NEEDS_MICROBATCH_PER_RANK = ("1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The validated split: which layers each stage holds and how a step is micro-batched."""
+
+    pp: int
+    schedule: str
+    stages_per_rank: int
+    layers: tuple[range, ...]  # layer range of each stage, in global stage order
+    accum_steps: int  # loader micro-batches per step (and per data-parallel rank)
+    num_microbatches: int  # pipeline micro-batches per step
+    microbatch_size: int  # sequences per pipeline micro-batch
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        return list(range(pp_rank, self.num_stages, self.pp))
+
+
+def pipeline_layout(config: RunConfig, dp: int) -> PipelineLayout:
+    """The split and micro-batching for `config` at data-parallel degree `dp`, or a ValueError
+    naming the config fields. Rules: pp x stages per rank <= model.num_layers (every stage
+    needs a layer); pp_microbatches divides the sequences of a step (accum x micro_batch_size);
+    1f1b, interleaved_1f1b and zero_bubble need pp_microbatches >= pp (each runs up to pp
+    forwards before its first backward), and the last two, whose torch schedules run
+    pp_microbatches // pp rounds, a multiple of that number; gpipe takes any number."""
+    p, m = config.parallel, config.model
+    v = STAGES_PER_RANK[p.pp_schedule]
+    num_stages = p.pp * v
+    if num_stages > m.num_layers:
+        raise ValueError(
+            f"parallel.pp ({p.pp}) x {v} stage(s) per rank (parallel.pp_schedule "
+            f"{p.pp_schedule}) = {num_stages} pipeline stages must be <= model.num_layers "
+            f"({m.num_layers}): every stage needs at least one layer"
+        )
+    accum = config.grad_accum_steps(dp)
+    sequences = accum * config.train.micro_batch_size
+    num_micro = p.pp_microbatches or accum
+    if sequences % num_micro:
+        raise ValueError(
+            f"parallel.pp_microbatches ({num_micro}) must divide the sequences of a step per "
+            f"data-parallel rank: {accum} accumulation step(s) x train.micro_batch_size "
+            f"({config.train.micro_batch_size}) = {sequences}"
+        )
+    if p.pp_schedule in NEEDS_MICROBATCH_PER_RANK and num_micro < p.pp:
+        default = "" if p.pp_microbatches else ", the accumulation steps"
+        raise ValueError(
+            f"parallel.pp_microbatches ({num_micro}{default}) must be >= parallel.pp "
+            f"({p.pp}) for parallel.pp_schedule {p.pp_schedule}; "
+            "raise train.global_batch_tokens or parallel.pp_microbatches, or use gpipe"
+        )
+    rounds = max(1, num_micro // p.pp)
+    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and num_micro % rounds:
+        raise ValueError(
+            f"parallel.pp_microbatches ({num_micro}) must be a multiple of "
+            f"parallel.pp_microbatches // parallel.pp ({rounds}) for parallel.pp_schedule "
+            f"{p.pp_schedule} (torch runs that many rounds of micro-batches)"
+        )
+    if p.pp > 1 and m.tie_embeddings:
+        raise ValueError(
+            "model.tie_embeddings (True) is not supported with parallel.pp > 1: the first and "
+            "last stages would need a shared embedding kept in sync; untie it"
+        )
+    if p.pp_schedule == "zero_bubble" and p.activation_checkpointing != "none":
+        # The weight pass backpropagates through the checkpointed regions a second time, so
+        # each would be recomputed twice (expert all-to-alls included); torch's non-reentrant
+        # checkpoint then re-enters our recompute context, which fails.
+        raise ValueError(
+            f"parallel.activation_checkpointing ({p.activation_checkpointing}) cannot be "
+            "combined with parallel.pp_schedule zero_bubble, whose separate weight-gradient "
+            "pass would recompute every checkpointed region twice; use none, or another schedule"
+        )
+    if p.pp > 1 and p.data_parallel == "fsdp":
+        raise ValueError(
+            "parallel.data_parallel (fsdp) is not supported with parallel.pp > 1; use ddp "
+            "(optionally with train.optimizer sharded)"
+        )
+    return PipelineLayout(
+        pp=p.pp,
+        schedule=p.pp_schedule,
+        stages_per_rank=v,
+        layers=tuple(stage_layer_ranges(m.num_layers, num_stages)),
+        accum_steps=accum,
+        num_microbatches=num_micro,
+        microbatch_size=sequences // num_micro,
+    )
+
+
+def split_model(model: Transformer, layout: PipelineLayout, pp_rank: int) -> None:
+    """Delete, in place, every module none of this rank's stages owns (do it on the meta model,
+    before anything is allocated). Kept blocks keep their global keys."""
+    stages = layout.stages_of_rank(pp_rank)
+    keep = {str(i) for s in stages for i in layout.layers[s]}
+    for key in [k for k in model.blocks if k not in keep]:
+        del model.blocks[key]
+    if 0 not in stages:
+        model.embed = None
+    if layout.num_stages - 1 not in stages:
+        model.norm, model.lm_head = None, None
+
+
+def apply_pipeline_split(model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
+    """The recipe's pipeline step: keep this rank's stages (see `split_model`)."""
+    split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
+
+
+class StageModule(nn.Module):
+    """One stage of a split Transformer, made of the model's own module objects (no copies).
+    It holds the LM head on the last stage although the loss, not `forward`, uses it: the
+    zero-bubble weight pass differentiates exactly `stage.submod.parameters()`."""
+
+    def __init__(self, model: Transformer, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    forward = Transformer.forward  # the same math: embed if held -> blocks -> norm if held
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage whose backward passes, all but the step's last, run under `no_sync`,
+    so gradient-sync hooks fire once per step, on the last backward."""
+
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        quiet = self.no_sync is not None and not last_backward
+        with self.no_sync() if quiet else contextlib.nullcontext():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+class Pipeline:
+    """This rank's stages of a split, parallelized and materialized model, and the schedule that
+    runs them. Build after the model's weights exist (and before the optimizer, as usual)."""
+
+    def __init__(self, model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
+        self.model, self.config, self.dims = model, config, dims
+        self.layout = layout = pipeline_layout(config, dims.dp)
+        stage_ids = layout.stages_of_rank(dims.pp_rank)
+        self.has_first, self.has_last = 0 in stage_ids, layout.num_stages - 1 in stage_ids
+        dtype = next(model.parameters()).dtype
+        shape = (layout.microbatch_size, config.train.seq_len)
+        tokens = torch.empty(shape, dtype=torch.long, device="meta")
+        hidden = torch.empty(
+            (*shape, config.model.d_model), dtype=dtype, device="meta", requires_grad=True
+        )
+        self.stages = [
+            _Stage(
+                StageModule(model, layout.layers[s], s == 0, s == layout.num_stages - 1),
+                s,
+                layout.num_stages,
+                dims.device,
+                input_args=tokens if s == 0 else hidden,
+                output_args=hidden,
+                group=dims.pp_group,
+            )
+            for s in stage_ids
+        ]
+        schedule_cls = SCHEDULES[layout.schedule]
+        multi = schedule_cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+        self.schedule = schedule_cls(
+            self.stages if multi else self.stages[0],
+            layout.num_microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
+        num_dense = config.model.num_dense_layers
+        self._moe_positions = [
+            int(key) - num_dense
+            for key, block in model.blocks.items()
+            if isinstance(block.ffn, MoELayer)
+        ]
+
+    def _loss(self, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(h_BSD, targets_BS) / self.layout.num_microbatches
+
+    def _next_batch(self, batches: Iterator[Batch]) -> Batch:
+        """The step's accumulation micro-batches, stacked (schedules split them themselves)."""
+        micro = [next(batches) for _ in range(self.layout.accum_steps)]
+        return torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
+
+    def _run(self, batches: Iterator[Batch], train: bool) -> torch.Tensor:
+        inputs_BS, targets_BS = self._next_batch(batches)
+        args = (inputs_BS,) if self.has_first else ()
+        target = targets_BS if self.has_last else None
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=target, losses=losses, return_outputs=False)
+        if not losses:  # not the last stage: it contributes zero to the sum over pp
+            return torch.zeros((), dtype=torch.float32, device=self.dims.device)
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+    def forward_backward(
+        self,
+        batches: Iterator[Batch],
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> torch.Tensor:
+        """One step's forward and backward over this rank's stages. Returns the mean loss of
+        the step's batch (this data-parallel rank's share) on every rank, as a device tensor."""
+        for stage in self.stages:
+            stage.no_sync = no_sync
+        for layer in self.model.moe_layers():
+            layer.aux_grad_scale = 1.0 / self.layout.num_microbatches
+        return self._sum_over_stages(self._run(batches, train=True))
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterator[Batch], num_batches: int) -> torch.Tensor:
+        """Mean loss over `num_batches` loader micro-batches, rounded up to whole steps of
+        `accum_steps` micro-batches (the schedule's batch), on every rank."""
+        was_training = self.model.training
+        self.model.eval()
+        num_steps = math.ceil(num_batches / self.layout.accum_steps)
+        losses = [self._run(batches, train=False) for _ in range(num_steps)]
+        self.model.train(was_training)
+        return self._sum_over_stages(torch.stack(losses).mean())
+
+    def _sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.float()
+        if self.dims.pp_group is not None:
+            dist.all_reduce(value, group=self.dims.pp_group)
+        return value
+
+    @torch.no_grad()
+    def gather_moe_stats(self, stats: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+        """Routing statistics of this rank's MoE layers (`MoELayer.read_stats()`, in
+        `model.moe_layers()` order, "dropped" optional) -> those of every MoE layer of the model,
+        in model order, on every rank: one all-reduce over pp (each layer lives on one stage)."""
+        num_experts = self.config.moe.num_experts
+        num_moe = self.config.model.num_layers - self.config.model.num_dense_layers
+        scalars = ("lb_loss", "z_loss", "entropy", "dropped")
+        width = num_experts + len(scalars) + 1  # the last column flags "dropped" present
+        rows = torch.zeros(num_moe, width, dtype=torch.float64, device=self.dims.device)
+        for position, layer in zip(self._moe_positions, stats, strict=True):
+            rows[position, :num_experts] = layer["tokens_per_expert"]
+            for i, key in enumerate(scalars):
+                if key in layer:
+                    rows[position, num_experts + i] = layer[key]
+            rows[position, -1] = float("dropped" in layer)
+        if self.dims.pp_group is not None:
+            dist.all_reduce(rows, group=self.dims.pp_group)
+        has_dropped = bool(rows[:, -1].any())  # the log reads these values on the host anyway
+        gathered = []
+        for row in rows:
+            layer = {"tokens_per_expert": row[:num_experts].to(torch.int64)}
+            for i, key in enumerate(scalars):
+                if key != "dropped":
+                    layer[key] = row[num_experts + i]
+                elif has_dropped:
+                    layer[key] = row[num_experts + i].to(torch.int64)
+            gathered.append(layer)
+        return gathered
