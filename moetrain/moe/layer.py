@@ -95,8 +95,7 @@ class MoELayer(nn.Module):
                 global_counts_E = self.count_reducer(routing.tokens_per_expert_E)
                 lb_loss = load_balancing_loss(routing.probs_TE, global_counts_E)
             aux_loss = (
-                self.config.lb_loss_weight * lb_loss
-                + self.config.z_loss_weight * routing.z_loss
+                self.config.lb_loss_weight * lb_loss + self.config.z_loss_weight * routing.z_loss
             )
             if aux_loss.requires_grad:
                 y_TD = AddAuxLossGrad.apply(y_TD, aux_loss, self.aux_grad_scale)
