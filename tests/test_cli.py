@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from moetrain.cli import main
 from moetrain.data import load_split
@@ -79,3 +80,9 @@ def test_train_eval_generate(tmp_cache, tmp_path, capsys):
         == 0
     )
     assert capsys.readouterr().out.startswith("def ")
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(run), "--out", str(tmp_path / "plots")]) == 0
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert {p.name for p in pngs} >= {"loss.png", "throughput.png", "lr.png", "expert_load.png"}
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000

@@ -92,6 +92,16 @@ class Transformer(nn.Module):
         return [b.ffn for b in self.blocks.values() if isinstance(b.ffn, MoELayer)]
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Buffers that are not in the state dict (RoPE frequencies, MoE statistics) and so are
+        not restored by loading a checkpoint: after `to_empty`, call this or `init_weights`."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.init_weights()
+            elif isinstance(module, MoELayer):
+                module.reset_buffers()
+
+    @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Initialize every weight; with std = model.init_std and L = model.num_layers:
 
@@ -109,11 +119,10 @@ class Transformer(nn.Module):
         seed = self.config.train.seed if seed is None else seed
         m = self.config.model
         std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
+        self.init_buffers()
         for module in self.modules():
-            if isinstance(module, RMSNorm | RotaryEmbedding):
+            if isinstance(module, RMSNorm):
                 module.init_weights()
-            elif isinstance(module, MoELayer):
-                module.reset_buffers()
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 continue
@@ -148,11 +157,14 @@ def _normal(t: torch.Tensor, std: float, seed: int, name: str, truncate: bool = 
 def build_model(
     config: RunConfig, device: torch.device | str = "cpu", init: bool = True
 ) -> Transformer:
-    """Build on meta, materialize on `device`, initialize. Parallel code builds on meta itself and
-    calls `to_empty` + `init_weights` after sharding."""
+    """Build on meta, materialize on `device`, initialize (init=False: buffers only, for loading
+    a checkpoint). Parallel code builds on meta itself and calls `to_empty` + `init_weights`
+    after sharding."""
     with torch.device("meta"):
         model = Transformer(config)
     model.to_empty(device=device)
     if init:
         model.init_weights()
+    else:  # weights come from a checkpoint; buffers outside the state dict must be set here
+        model.init_buffers()
     return model

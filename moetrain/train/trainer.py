@@ -344,9 +344,12 @@ class Trainer:
         values = {k: v for k, v in acc.items()}
         stats = [layer.read_stats() for layer in self.model.moe_layers()]
         dispatch = read_dispatch_stats(self.model)
-        for name, s in zip(self._moe_names, stats, strict=True):
+        utilization = {}  # receive-buffer rows used / allocated (NoSync), this rank's value
+        for i, (name, s) in enumerate(zip(self._moe_names, stats, strict=True)):
             if f"{name}.dropped_routes" in dispatch:
                 s["dropped"] = dispatch[f"{name}.dropped_routes"]
+            if f"{name}.buffer_utilization" in dispatch and self.pipeline is None:
+                utilization[i] = dispatch[f"{name}.buffer_utilization"]
         if self.pipeline is not None:  # every stage's layers, numbered as in one process
             stats = self.pipeline.gather_moe_stats(stats)
         if self.dims.world_size > 1:
@@ -376,6 +379,8 @@ class Trainer:
                 z_weight=self.config.moe.z_loss_weight,
             ),
         }
+        for i, value in utilization.items():
+            record["moe"][i]["buffer_utilization"] = float(value)
         record["lb_loss"] = _mean([layer["lb_loss"] for layer in record["moe"]])
         record["z_loss"] = _mean([layer["z_loss"] for layer in record["moe"]])
         for layer in record["moe"]:

@@ -138,3 +138,16 @@ def test_sigterm_saves_and_exits_zero(tmp_cache, tmp_path):
     assert "checkpoint saved to" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stopped_early"] and Path(summary["checkpoint"]).is_dir()
+
+
+def test_capacity_drops_and_buffer_use_are_logged(tmp_cache, tmp_path):
+    """NoSync at ep=1 with capacity factor 1.0 drops the routes beyond capacity and says so."""
+    Trainer(
+        _cfg("train.steps=4", "moe.dispatcher=no_sync", "moe.capacity_factor=1.0"),
+        tmp_path / "run",
+        progress=False,
+    ).train()
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    for layer in record["moe"]:
+        assert 0.0 < layer["drop_frac"] < 0.5
+        assert 0.5 < layer["buffer_utilization"] <= 1.0
