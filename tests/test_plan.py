@@ -16,8 +16,9 @@ from torch import nn
 from moetrain import plan as P
 from moetrain.dry_run import build_rank_model
 from moetrain.model.flops import param_counts
+from moetrain.optim.buckets import SHARD_ALIGN
 from moetrain.optim.param_groups import build_param_groups, param_kind
-from moetrain.optim.sharded import SHARD_ALIGN, ShardedAdamW
+from moetrain.optim.sharded import ShardedAdamW
 from moetrain.parallel.parallelize import apply_activation_checkpointing
 from moetrain.presets import PRESETS, get_preset, tiny
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,53 +35,22 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from moetrain.moe.experts import GroupedExperts
+from moetrain.optim.buckets import (
+    Bucket,
+    GlobalSlices,
+    Piece,
+    global_layouts,
+    group_size,
+    make_buckets,
+    param_entries,
+)
 from moetrain.optim.clip import EXPERT, clip_coefficient
 
 # torch >= 2.13 renamed the flat collectives; older versions only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-SHARD_ALIGN = 64  # shard sizes are multiples of this many elements (aligned collective chunks)
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-GlobalSlices = Mapping[str, tuple[Sequence[int], slice]]
-
-
-@dataclass
-class _Piece:
-    """The part of one parameter inside the owned shard: shard[lo:hi] == param.flat[param_lo:]."""
-
-    index: int  # position of the parameter in its bucket
-    lo: int
-    hi: int
-    param_lo: int
-
-
-@dataclass
-class _Bucket:
-    params: list[nn.Parameter]
-    names: list[str]
-    starts: list[int]  # each parameter's offset in the flat buffers
-    group: ProcessGroup | None
-    divisor: float  # the reduced gradient is divided by this (averaging)
-    grad_is_view: bool  # .grad is a view of grads_flat (else: added in by the hook, then freed)
-    params_flat: torch.Tensor  # every parameter of the bucket, training dtype
-    grads_flat: torch.Tensor  # their gradients, grad dtype
-    shard_lo: int  # where the owned shard starts in the flat buffers
-    grad_shard: torch.Tensor  # reduce-scatter output (a view of grads_flat when unsharded)
-    staging: torch.Tensor  # all-gather input, training dtype
-    master: torch.Tensor  # owned shard, master dtype
-    exp_avg: torch.Tensor  # owned shard, fp32
-    exp_avg_sq: torch.Tensor  # owned shard, fp32
-    pieces: list[_Piece]
-    runs: list[tuple[int, int, int]]  # (lo, hi, param group index), merged adjacent pieces
-    ready: set[int] = field(default_factory=set)
-    launched: bool = False
-    work: Any = None
-
-    def grad_view(self, index: int) -> torch.Tensor:
-        start, param = self.starts[index], self.params[index]
-        return self.grads_flat[start : start + param.numel()].view_as(param)
 
 
 def expert_global_slices(model: nn.Module, num_experts: int) -> dict[str, tuple[tuple, slice]]:
@@ -137,7 +105,7 @@ class ShardedAdamW:
             raise ValueError(f"expert_grad_divisor ({expert_grad_divisor}) must be >= 1")
         # A group of one rank needs no communication: treat it as None.
         dense_group, expert_group, pp_group = (
-            g if _size(g) > 1 else None for g in (dense_group, expert_group, pp_group)
+            g if group_size(g) > 1 else None for g in (dense_group, expert_group, pp_group)
         )
         self.lr, self.betas, self.eps = lr, betas, eps
         self.dense_group, self.expert_group, self.pp_group = dense_group, expert_group, pp_group
@@ -148,17 +116,17 @@ class ShardedAdamW:
         self._sync_enabled = True
         self._next_launch = 0  # buckets before this index have their reduce-scatter launched
 
-        entries = _entries(param_groups, param_order)
-        self._layout = _global_layouts(entries, global_slices or {})
-        ep = _size(dense_group) // _size(expert_group)
+        entries = param_entries(param_groups, param_order)
+        self._layout = global_layouts(entries, global_slices or {})
+        ep = group_size(dense_group) // group_size(expert_group)
         for name, _, _, kind in entries:
             if kind == EXPERT and ep > 1 and name not in (global_slices or {}):
                 raise ValueError(f"expert parameter {name} needs a global_slices entry (ep={ep})")
         sync = {
-            "dense": (dense_group, float(_size(dense_group))),
+            "dense": (dense_group, float(group_size(dense_group))),
             EXPERT: (expert_group, float(expert_grad_divisor)),
         }
-        self.buckets = _make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype)
+        self.buckets = make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype)
         device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
         # Steps applied so far, on the device (a skipped step is decided there); float64 so the
         # bias corrections round exactly as torch.optim.AdamW's Python-float ones do.
@@ -180,7 +148,7 @@ class ShardedAdamW:
         finally:
             self._sync_enabled = previous
 
-    def _hook(self, bucket: _Bucket, index: int):
+    def _hook(self, bucket: Bucket, index: int):
         def on_grad_accumulated(param: torch.Tensor) -> None:
             if not bucket.grad_is_view:  # add this backward's .grad into the bucket, free it
                 self._collect_grad(bucket, index)
@@ -202,7 +170,7 @@ class ShardedAdamW:
 
         return on_grad_accumulated
 
-    def _collect_grad(self, bucket: _Bucket, index: int) -> None:
+    def _collect_grad(self, bucket: Bucket, index: int) -> None:
         """Bring a `.grad` that is not the bucket's view into the bucket. View mode: `.grad` is
         the gradient (None means zero), it replaces the bucket's copy. Accumulation mode: `.grad`
         is this backward's increment and is added."""
@@ -218,7 +186,7 @@ class ShardedAdamW:
             view.add_(grad)
             param.grad = None
 
-    def _launch_reduce(self, bucket: _Bucket) -> None:
+    def _launch_reduce(self, bucket: Bucket) -> None:
         for index in range(len(bucket.params)):
             self._collect_grad(bucket, index)
         if bucket.group is not None:
@@ -328,7 +296,7 @@ class ShardedAdamW:
         self._reset_sync()
         return total_norm
 
-    def _launch_gather(self, bucket: _Bucket):
+    def _launch_gather(self, bucket: Bucket):
         if bucket.group is None:
             bucket.params_flat.copy_(bucket.master)
             return None
@@ -425,7 +393,7 @@ class ShardedAdamW:
                 self._reset_master(bucket, index)
 
     @staticmethod
-    def _reset_master(bucket: _Bucket, index: int) -> None:
+    def _reset_master(bucket: Bucket, index: int) -> None:
         for piece in ShardedAdamW._pieces_of(bucket, index):
             start = bucket.shard_lo + piece.lo
             bucket.master[piece.lo : piece.hi] = bucket.params_flat[
@@ -433,142 +401,5 @@ class ShardedAdamW:
             ]
 
     @staticmethod
-    def _pieces_of(bucket: _Bucket, index: int) -> list[_Piece]:
+    def _pieces_of(bucket: Bucket, index: int) -> list[Piece]:
         return [piece for piece in bucket.pieces if piece.index == index]
-
-
-# ---- construction helpers -----------------------------------------------------------------------
-Entry = tuple[str, nn.Parameter, int, str]  # name, parameter, param group index, sync kind
-
-
-def _size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _entries(param_groups: list[dict[str, Any]], param_order: Sequence[str] | None) -> list[Entry]:
-    """Every parameter with its group and sync kind, in forward order."""
-    entries = []
-    for group_index, group in enumerate(param_groups):
-        names = group.get("param_names")
-        if names is None or len(names) != len(group["params"]):
-            raise ValueError(f"param group {group_index} needs one param_names entry per param")
-        kind = group.get("kind")
-        if kind not in ("dense", "router", EXPERT):
-            raise ValueError(
-                f"param group {group_index} kind ({kind!r}) must be dense, router or expert"
-            )
-        sync = EXPERT if kind == EXPERT else "dense"
-        entries += [(n, p, group_index, sync) for n, p in zip(names, group["params"], strict=True)]
-    if param_order is not None:
-        position = {name: i for i, name in enumerate(param_order)}
-        missing = [name for name, *_ in entries if name not in position]
-        if missing:
-            raise ValueError(f"param_order lacks parameters {missing[:3]}")
-        entries.sort(key=lambda entry: position[entry[0]])
-    return entries
-
-
-def _global_layouts(entries: list[Entry], global_slices: GlobalSlices) -> dict[str, tuple]:
-    """name -> (global shape, first row of dim 0 held here)."""
-    layouts = {}
-    for name, param, _, _ in entries:
-        if name not in global_slices:
-            layouts[name] = (tuple(param.shape), 0)
-            continue
-        shape, rows = global_slices[name]
-        shape, start = tuple(shape), rows.start or 0
-        stop = shape[0] if rows.stop is None else rows.stop
-        if stop - start != param.shape[0] or shape[1:] != tuple(param.shape[1:]):
-            raise ValueError(
-                f"global_slices[{name!r}] (shape {shape}, rows {start}:{stop}) does not match the "
-                f"local shape {tuple(param.shape)}"
-            )
-        layouts[name] = (shape, start)
-    return layouts
-
-
-def _make_buckets(
-    entries: list[Entry],
-    sync: dict[str, tuple[ProcessGroup | None, float]],
-    bucket_bytes: float,
-    master_dtype: torch.dtype,
-    grad_dtype: torch.dtype | None,
-) -> list[_Bucket]:
-    """Walk the parameters in reverse forward order (the order backward produces gradients) with
-    one open bucket per (sync kind, dtype, device); a bucket closes once it holds bucket_bytes.
-    The closing order is the launch order."""
-    buckets, open_buckets = [], {}
-    for entry in reversed(entries):
-        _, param, _, kind = entry
-        key = (kind, param.dtype, param.device)
-        members = open_buckets.setdefault(key, [])
-        members.append(entry)
-        if sum(p.numel() for _, p, _, _ in members) * param.element_size() >= bucket_bytes:
-            del open_buckets[key]
-            buckets.append(_make_bucket(members, *sync[kind], master_dtype, grad_dtype))
-    for (kind, _, _), members in open_buckets.items():
-        buckets.append(_make_bucket(members, *sync[kind], master_dtype, grad_dtype))
-    return buckets
-
-
-def _make_bucket(
-    members: list[Entry],
-    group: ProcessGroup | None,
-    divisor: float,
-    master_dtype: torch.dtype,
-    grad_dtype: torch.dtype | None,
-) -> _Bucket:
-    params = [param for _, param, _, _ in members]
-    dtype, device = params[0].dtype, params[0].device
-    grad_dtype = grad_dtype or dtype
-    size, rank = _size(group), 0 if group is None else dist.get_rank(group)
-    starts = [0]
-    for param in params:
-        starts.append(starts[-1] + param.numel())
-    numel = starts.pop()
-    shard = numel if size == 1 else math.ceil(numel / (size * SHARD_ALIGN)) * SHARD_ALIGN
-    params_flat = torch.zeros(shard * size, dtype=dtype, device=device)
-    grads_flat = torch.zeros(shard * size, dtype=grad_dtype, device=device)
-    for param, start in zip(params, starts, strict=True):
-        view = params_flat[start : start + param.numel()]
-        view.copy_(param.detach().reshape(-1))
-        param.data = view.view_as(param)
-        param.grad = (
-            grads_flat[start : start + param.numel()].view_as(param)
-            if grad_dtype == dtype
-            else None
-        )
-
-    lo = rank * shard
-    grad_shard = grads_flat[lo : lo + shard] if size == 1 else torch.zeros_like(grads_flat[:shard])
-    staging = grad_shard if grad_dtype == dtype else torch.zeros_like(params_flat[:shard])
-    pieces = []
-    for index, (param, start) in enumerate(zip(params, starts, strict=True)):
-        a, b = max(start, lo), min(start + param.numel(), lo + shard)
-        if a < b:
-            pieces.append(_Piece(index, a - lo, b - lo, a - start))
-    runs: list[tuple[int, int, int]] = []
-    for piece in pieces:
-        group_index = members[piece.index][2]
-        if runs and runs[-1][1] == piece.lo and runs[-1][2] == group_index:
-            runs[-1] = (runs[-1][0], piece.hi, group_index)
-        else:
-            runs.append((piece.lo, piece.hi, group_index))
-    return _Bucket(
-        params=params,
-        names=[name for name, _, _, _ in members],
-        starts=starts,
-        group=group,
-        divisor=divisor,
-        grad_is_view=grad_dtype == dtype,
-        params_flat=params_flat,
-        grads_flat=grads_flat,
-        shard_lo=lo,
-        grad_shard=grad_shard,
-        staging=staging,
-        master=params_flat[lo : lo + shard].to(master_dtype, copy=True),
-        exp_avg=torch.zeros(shard, dtype=torch.float32, device=device),
-        exp_avg_sq=torch.zeros(shard, dtype=torch.float32, device=device),
-        pieces=pieces,
-        runs=runs,
-    )

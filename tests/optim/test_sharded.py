@@ -26,9 +26,10 @@ from moetrain import presets
 from moetrain.config import RunConfig
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.optim import sharded
+from moetrain.optim.buckets import SHARD_ALIGN
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.schedule import lr_at
-from moetrain.optim.sharded import SHARD_ALIGN, ShardedAdamW, expert_global_slices
+from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
 
 pytestmark = pytest.mark.distributed
 
