@@ -53,7 +53,9 @@ class TopKRouter(nn.Module):
             "expert_bias_E", torch.zeros(num_experts) if use_bias else None, persistent=use_bias
         )
         self._generator: torch.Generator | None = None
-        self._draws = 0  # random-routing draws so far (host int: seeding needs no device read)
+        # random-routing draws so far: a host int (seeding needs no device read), checkpointed by
+        # the trainer so that a resumed random-routing run draws the same experts
+        self.draws = 0
 
     def forward(self, x_TD: torch.Tensor) -> RoutingResult:
         # fp32 scores for bf16 models; float64 stays float64 (reference tests)
@@ -95,9 +97,9 @@ class TopKRouter(nn.Module):
         if self._generator is None or self._generator.device != x.device:
             self._generator = torch.Generator(device=x.device)
         if is_recomputing():
-            draw = self._draws - 1
+            draw = self.draws - 1
         else:
-            draw, self._draws = self._draws, self._draws + 1
+            draw, self.draws = self.draws, self.draws + 1
         self._generator.manual_seed(self.seed * 1_000_003 + draw)
         return self._generator
 
@@ -105,4 +107,4 @@ class TopKRouter(nn.Module):
         if self.expert_bias_E is not None:
             self.expert_bias_E.zero_()
         self._generator = None
-        self._draws = 0
+        self.draws = 0

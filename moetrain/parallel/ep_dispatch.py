@@ -35,8 +35,7 @@ def _positions_within_expert(ids_N: torch.Tensor, counts_E: torch.Tensor) -> tor
     """For each route, how many earlier routes (in token order) chose the same expert. A stable
     sort keeps token order inside each expert; no data-dependent shapes."""
     order_N = torch.argsort(ids_N, stable=True)
-    sorted_rank_N = torch.empty_like(order_N)
-    sorted_rank_N[order_N] = torch.arange(ids_N.numel(), device=ids_N.device)
+    sorted_rank_N = torch.argsort(order_N)  # the inverse permutation, without an index_put
     first_E = counts_E.cumsum(0) - counts_E
     return sorted_rank_N - first_E[ids_N]
 
@@ -111,8 +110,7 @@ class AllToAllDispatcher:
         # 1. Sort routes by global expert: rank d's rows are contiguous, in local-expert order.
         order_N = torch.argsort(ids_N, stable=True)
         send_ND = x_TD[order_N // K]
-        inverse_order_N = torch.empty_like(order_N)
-        inverse_order_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+        inverse_order_N = torch.argsort(order_N)
         # 2. Exchange counts: recv_counts_Ge[s, x] = routes from rank s to my local expert x.
         send_counts_E = count_tokens_per_expert(ids_N, self.num_experts)
         recv_counts_Ge = all_to_all_counts(send_counts_E, self.group)

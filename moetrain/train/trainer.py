@@ -441,6 +441,8 @@ class Trainer:
             "spike_total": self.spike_total,
             "train_loader": self.train_loader.state_dict(),
             "world_size": self.dims.world_size,
+            # every router draws once per forward, so one number restores them all
+            "routing_draws": max((m.router.draws for m in self.model.moe_layers()), default=0),
             **({"loss_window": self.spikes.state_dict()} if self.spikes is not None else {}),
         }
 
@@ -467,6 +469,8 @@ class Trainer:
         if self.spikes is not None and "loss_window" in trainer_state:
             self.spikes.load_state_dict(trainer_state["loss_window"])
         self.train_loader.load_state_dict(trainer_state["train_loader"])
+        for layer in self.model.moe_layers():
+            layer.router.draws = trainer_state.get("routing_draws", 0)
 
     def load_weights(self, path: str | Path) -> None:
         """Model weights only (e.g. an imported Hugging Face model), for a fresh run."""

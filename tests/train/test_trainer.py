@@ -74,6 +74,20 @@ def test_resume_is_bitwise(tmp_cache, tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_resume_is_bitwise_with_random_routing(tmp_cache, tmp_path):
+    """The random-routing draw counter travels in the checkpoint, so experts are redrawn alike."""
+    common = ("train.steps=8", "train.checkpoint_every=4", "moe.routing=random")
+    Trainer(_cfg(*common), tmp_path / "full", progress=False).train()
+    Trainer(
+        _cfg("train.steps=4", "train.checkpoint_every=4", f"moe.routing={routing}"),
+        tmp_path / "part",
+        progress=False,
+    ).train()
+    Trainer(_cfg(*common), tmp_path / "part", resume=True, progress=False).train()
+    full, part = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
+    assert [full[s] for s in (6, 8)] == [part[s] for s in (6, 8)]
+
+
 def test_non_finite_steps_are_skipped_then_stop(tmp_cache, tmp_path, monkeypatch):
     from moetrain.train import step as train_step
 
