@@ -79,7 +79,7 @@ def test_resume_is_bitwise_with_random_routing(tmp_cache, tmp_path):
     common = ("train.steps=8", "train.checkpoint_every=4", "moe.routing=random")
     Trainer(_cfg(*common), tmp_path / "full", progress=False).train()
     Trainer(
-        _cfg("train.steps=4", "train.checkpoint_every=4", f"moe.routing={routing}"),
+        _cfg("train.steps=4", "train.checkpoint_every=4", "moe.routing=random"),
         tmp_path / "part",
         progress=False,
     ).train()
