@@ -19,22 +19,10 @@ from moetrain.data.tokens import load_dir_tokenizer
 from moetrain.model.transformer import Transformer, build_model
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a checkpoint dir, a run dir (its newest checkpoint) or a checkpoints/ dir."""
-    path = Path(path)
-    if (path / manager.MANIFEST).is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        found = manager.latest(root)
-        if found is not None:
-            return found
-    raise ValueError(f"no complete checkpoint at {path}")
-
-
 def load_model(
     path: str | Path, device: str | torch.device = "cpu"
 ) -> tuple[Transformer, RunConfig]:
-    path = resolve_checkpoint(path)
+    path = manager.resolve(path)
     config = RunConfig.load_yaml(path / "config.yaml")
     config = config.with_overrides(["parallel.ep=1", "parallel.pp=1", "parallel.dp=null"])
     model = build_model(config, device=device, init=False)

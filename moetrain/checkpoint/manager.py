@@ -353,6 +353,22 @@ def latest(root: Path | str, check_hashes: bool = True) -> Path | None:
     return None
 
 
+def resolve(path: Path | str, check_hashes: bool = True) -> Path:
+    """A checkpoint directory (step-N/), or the newest complete one under `path/checkpoints/`
+    (a run or import directory) or under `path` (a checkpoints root)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        found = latest(root, check_hashes)
+        if found is not None:
+            return found
+    raise ValueError(
+        f"{path} is not a moetrain checkpoint: no {MANIFEST} in it, and no complete "
+        "step-N/ checkpoint under it or under its checkpoints/ directory"
+    )
+
+
 def load(
     path: Path | str, tensor_state: dict[str, Any], check_hashes: bool = True
 ) -> dict[str, Any]:

@@ -47,19 +47,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # ---- moetrain checkpoints ----------------------------------------------------------------------
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory (step-N/), or the newest complete one under `path/checkpoints/`
-    (a run or import directory) or under `path` (a checkpoints root)."""
-    path = Path(path)
-    if (path / manager.MANIFEST).is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        found = manager.latest(root, check_hashes=False)
-        if found is not None:
-            return found
-    raise ValueError(
-        f"{path} is not a moetrain checkpoint: no {manager.MANIFEST} in it, and no complete "
-        "step-N/ checkpoint under it or under its checkpoints/ directory"
-    )
+    """`manager.resolve` without hashing (export and weight loading verify the one they use)."""
+    return manager.resolve(path, check_hashes=False)
 
 
 def stored_model_tensors(checkpoint: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

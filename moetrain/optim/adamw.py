@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from moetrain.optim.clip import clip_coefficient
+
 
 class AdamW:
     def __init__(
@@ -83,12 +85,7 @@ class AdamW:
         grad_norm = self.norm_fn()
         bad = ~torch.isfinite(grad_norm)
         skip = bad if skip is None else skip | bad
-        # torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1
-        clip = (
-            (max_grad_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0)
-            if max_grad_norm > 0
-            else None
-        )
+        clip = clip_coefficient(grad_norm.float(), max_grad_norm) if max_grad_norm > 0 else None
         self._update(lr, skip, clip)
         return grad_norm
 

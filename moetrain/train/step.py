@@ -56,10 +56,3 @@ def evaluate(model: Transformer, batches: Iterator[Batch], num_batches: int) -> 
         total = loss if total is None else total + loss
     model.train(was_training)
     return total / num_batches
-
-
-def grads_finite(
-    model: torch.nn.Module, loss: torch.Tensor, grad_norm: torch.Tensor
-) -> torch.Tensor:
-    """Device bool: loss and gradient norm are finite (the norm is NaN/inf if any grad is)."""
-    return torch.isfinite(loss) & torch.isfinite(grad_norm)

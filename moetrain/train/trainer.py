@@ -474,13 +474,9 @@ class Trainer:
 
     def load_weights(self, path: str | Path) -> None:
         """Model weights only (e.g. an imported Hugging Face model), for a fresh run."""
-        path = Path(path)
-        if not (path / manager.MANIFEST).is_file():
-            latest = manager.latest(path / "checkpoints") or manager.latest(path)
-            if latest is None:
-                raise ValueError(f"--init-from {path}: no complete checkpoint found there")
-            path = latest
-        manager.load(path, {"model": globalize_experts(self.model.state_dict(), self.dims)})
+        manager.load(
+            manager.resolve(path), {"model": globalize_experts(self.model.state_dict(), self.dims)}
+        )
         self.optimizer.reset_masters()
 
 
