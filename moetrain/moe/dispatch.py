@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moetrain.moe.payload import check_payload, fp8_round_trip
 from moetrain.moe.router import RoutingResult
 
 
@@ -40,12 +41,20 @@ class LocalHandle:
 
 class LocalDispatcher:
     """All experts on this device. A stable sort of the T*K routes by expert id gives the row
-    order (ties keep token order, so the result is deterministic); one gather builds the rows."""
+    order (ties keep token order, so the result is deterministic); one gather builds the rows.
+    `payload="fp8"`: nothing leaves the device, so only the FP8 rounding of the rows is applied
+    (before the K-fold gather: T rows quantized, not T*K), which keeps a run's numerics the same
+    with and without expert parallelism."""
+
+    def __init__(self, payload: str = "bf16") -> None:
+        self.payload = check_payload(payload)
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult
     ) -> tuple[torch.Tensor, torch.Tensor, LocalHandle]:
         num_tokens, top_k = routing.expert_ids_TK.shape
+        if self.payload == "fp8":
+            x_TD = fp8_round_trip(x_TD)
         order_N = torch.argsort(routing.expert_ids_TK.reshape(-1), stable=True)
         inverse_N = torch.argsort(order_N)  # a permutation's inverse; cheaper than index_put
         rows_ND = gather_routes(x_TD, order_N, inverse_N, top_k)

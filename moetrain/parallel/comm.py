@@ -5,6 +5,8 @@ Letters: R rows, D model dim, E experts, G ranks in the group.
   is the reverse all-to-all (split sizes swapped). `sink_rows` appends that many zero rows to the
   output, allocated together with it (no copy): gathers point padding at them, and the gradient
   they receive is dropped, so garbage gradients of padding rows can never reach real data.
+  `payload="fp8"` sends the rows FP8-quantized (moetrain.moe.payload): half the bytes forward,
+  the gradient travels back unquantized (straight-through).
 - `all_gather_counts` and `all_to_all_counts`: integer count vectors, no gradient.
 Every function accepts `group=None`, meaning a group of one rank: the data stays where it is,
 so world size 1 runs the same code with the transport skipped. No function reads device values
@@ -18,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from moetrain.moe.payload import check_payload, decode_fp8_rows, encode_fp8_rows
+
 
 def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -25,16 +29,20 @@ def group_size(group: ProcessGroup | None) -> int:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD, group, output_split_sizes, input_split_sizes, sink_rows):  # type: ignore[override]
+    def forward(ctx, x_RD, group, output_split_sizes, input_split_sizes, sink_rows, payload):  # type: ignore[override]
         ctx.group, ctx.sink_rows = group, sink_rows
         ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
+        if payload == "fp8":  # zero sink rows decode to zero rows
+            packed = encode_fp8_rows(x_RD)
+            out = _exchange(packed, group, output_split_sizes, input_split_sizes, sink_rows)
+            return decode_fp8_rows(out, x_RD.dtype)
         return _exchange(x_RD.contiguous(), group, output_split_sizes, input_split_sizes, sink_rows)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         grad_out = grad_out[: grad_out.shape[0] - ctx.sink_rows].contiguous()
         grad_x = _exchange(grad_out, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes, 0)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def _exchange(
@@ -65,12 +73,14 @@ def all_to_all(
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
     sink_rows: int = 0,
+    payload: str = "bf16",
 ) -> torch.Tensor:
     """Differentiable all_to_all_single over dim 0. Split sizes None: equal splits. With a group of
-    one and no sink rows the input comes back as is (the identity; autograd passes through)."""
-    if group is None and sink_rows == 0:
+    one, no sink rows and a bf16 payload the input comes back as is (autograd passes through).
+    `payload="fp8"`: rows travel FP8-quantized and arrive dequantized in x's dtype."""
+    if group is None and sink_rows == 0 and check_payload(payload) == "bf16":
         return x_RD
-    return _AllToAll.apply(x_RD, group, output_split_sizes, input_split_sizes, sink_rows)
+    return _AllToAll.apply(x_RD, group, output_split_sizes, input_split_sizes, sink_rows, payload)
 
 
 @torch.compiler.disable

@@ -11,6 +11,8 @@ and both are differentiable (the backward of each all-to-all is the reverse all-
   sizes in `_sync_split_sizes`.
 - `NoSyncDispatcher`: every shape is fixed by (T, K, G, capacity) before the step, every decision
   is computed on device, the transport moves fixed blocks. Dropped routes contribute zero.
+`payload="fp8"` (precision.dispatch) sends the dispatched rows FP8-quantized (moetrain.moe.payload);
+the combine and all gradients travel in the activations' dtype.
 Statistics count training forwards only: not under no_grad (evaluation), and not during
 activation-checkpoint recomputation (see `recomputing`), so each route counts once.
 """
@@ -26,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 from moetrain.moe.balance import count_tokens_per_expert
 from moetrain.moe.dispatch import weighted_sum_of_routes
+from moetrain.moe.payload import check_payload
 from moetrain.moe.recompute import is_recomputing
 from moetrain.moe.router import RoutingResult
 from moetrain.parallel.comm import all_gather_counts, all_to_all, all_to_all_counts, group_size
@@ -95,8 +98,9 @@ class AllToAllDispatcher:
     sync split sizes to the host, move exactly the routed rows, and reorder the received rows
     expert-major. Dropless; `moe.capacity_factor` applies to NoSyncDispatcher only."""
 
-    def __init__(self, num_experts: int, group: ProcessGroup | None) -> None:
+    def __init__(self, num_experts: int, group: ProcessGroup | None, payload: str = "bf16") -> None:
         self.group, self.num_experts = group, num_experts
+        self.payload = check_payload(payload)
         self.num_ranks = group_size(group)
         assert num_experts % self.num_ranks == 0
         self.num_local = num_experts // self.num_ranks
@@ -118,7 +122,7 @@ class AllToAllDispatcher:
         send_splits, recv_splits = _sync_split_sizes(
             send_counts_E.view(G, e).sum(1), recv_counts_Ge.sum(1)
         )
-        recv_RD = all_to_all(send_ND, self.group, recv_splits, send_splits)
+        recv_RD = all_to_all(send_ND, self.group, recv_splits, send_splits, payload=self.payload)
         # 5. Source-major -> expert-major (a permutation: nothing is padding).
         num_recv = sum(recv_splits)
         start_Ge = (recv_counts_Ge.reshape(-1).cumsum(0) - recv_counts_Ge.reshape(-1)).view(G, e)
@@ -145,9 +149,10 @@ class AllToAllDispatcher:
 
 
 class Transport(Protocol):
-    def exchange(self, send_RD: torch.Tensor) -> torch.Tensor:
+    def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
         """`send_RD` is G equal blocks, block g bound for rank g. Returns the G received blocks
-        (block g from rank g) followed by one zero sink row. Differentiable."""
+        (block g from rank g) followed by one zero sink row. Differentiable. `payload="fp8"`:
+        the blocks travel FP8-quantized (see moetrain.moe.payload)."""
         ...
 
 
@@ -158,8 +163,8 @@ class AllToAllTransport:
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
 
-    def exchange(self, send_RD: torch.Tensor) -> torch.Tensor:
-        return all_to_all(send_RD, self.group, sink_rows=1)
+    def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
+        return all_to_all(send_RD, self.group, sink_rows=1, payload=payload)
 
 
 def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int) -> torch.Tensor:
@@ -196,12 +201,14 @@ class NoSyncDispatcher:
         ep_rank: int,
         capacity_factor: float | None = None,
         transport: Transport | None = None,
+        payload: str = "bf16",
     ) -> None:
         self.group, self.num_experts, self.ep_rank = group, num_experts, ep_rank
         self.num_ranks = group_size(group)
         assert num_experts % self.num_ranks == 0 and 0 <= ep_rank < self.num_ranks
         self.num_local = num_experts // self.num_ranks
         self.capacity_factor = capacity_factor
+        self.payload = check_payload(payload)
         self.transport = transport if transport is not None else AllToAllTransport(group)
         self._stats: torch.Tensor | None = None  # device [dropped routes, receive rows used]
         self._routes = self._rows_allocated = 0  # host-known totals since the last read
@@ -242,7 +249,7 @@ class NoSyncDispatcher:
         # 4. Move: write routes into their blocks (padding rows carry token 0; nobody reads them
         #    and their gradient is zero), exchange fixed blocks.
         token_of_row_R = _inverse_index(send_row_N, keep_N, R) // K
-        recv_RD = self.transport.exchange(x_TD[token_of_row_R])
+        recv_RD = self.transport.exchange(x_TD[token_of_row_R], payload=self.payload)
         # 5. One gather into expert-major order; positions past the last offset read the sink.
         start_sx = torch.arange(G, device=device)[:, None] * B + block_start_sdx[:, me, :]
         recv_row_R, offsets_e = _expert_major_index(kept_sdx[:, me, :], start_sx, R, sink_row=R)

@@ -48,11 +48,18 @@ def resolve_dispatcher(config: RunConfig, dims: ParallelDims) -> str:
 def make_dispatcher(config: RunConfig, dims: ParallelDims) -> Dispatcher:
     kind = resolve_dispatcher(config, dims)
     num_experts = config.moe.num_experts
+    payload = config.precision.dispatch
     if kind == "local":
-        return LocalDispatcher()
+        return LocalDispatcher(payload)
     if kind == "all_to_all":
-        return AllToAllDispatcher(num_experts, dims.ep_group)
-    return NoSyncDispatcher(num_experts, dims.ep_group, dims.ep_rank, config.moe.capacity_factor)
+        return AllToAllDispatcher(num_experts, dims.ep_group, payload)
+    return NoSyncDispatcher(
+        num_experts,
+        dims.ep_group,
+        dims.ep_rank,
+        config.moe.capacity_factor,
+        payload=payload,
+    )
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims, config: RunConfig) -> None:

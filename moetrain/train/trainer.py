@@ -98,9 +98,13 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
 
 def apply_precision(model: Transformer, config: RunConfig, device: torch.device) -> None:
     """Install the expert GEMM of `precision.experts`; an unsupported choice fails here, at
-    start-up, never as a silent fallback."""
-    if config.precision.dispatch != "bf16":
-        raise ValueError("precision.dispatch (fp8) is not implemented yet; use bf16")
+    start-up, never as a silent fallback. (`precision.dispatch` is the dispatchers' payload,
+    installed with them by moetrain.parallel.expert.)"""
+    if config.precision.dispatch == "fp8" and config.parallel.ep == 1:
+        print(
+            "note: precision.dispatch=fp8 without expert parallelism: no rows leave the device;"
+            " the dispatched rows get the FP8 rounding only (same numerics as with ep > 1)"
+        )
     if config.precision.experts == "bf16":
         return
     gemm = make_grouped_gemm(config.precision.experts, device)

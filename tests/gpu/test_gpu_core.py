@@ -9,7 +9,12 @@ from moetrain.presets import small
 pytestmark = pytest.mark.gpu
 
 
-def test_training_steps_of_small_have_no_host_sync(tmp_path):
+@pytest.mark.parametrize(
+    "precision",
+    [[], ["precision.dispatch=fp8", "precision.experts=fp8_rowwise"]],
+    ids=["bf16", "fp8"],
+)
+def test_training_steps_of_small_have_no_host_sync(tmp_path, precision):
     from moetrain.train.trainer import Trainer
 
     config = small().with_overrides(
@@ -18,6 +23,7 @@ def test_training_steps_of_small_have_no_host_sync(tmp_path):
             "train.micro_batch_size=2",
             "data.random_tokens=true",
             "train.eval_every=0",
+            *precision,
         ]
     )
     trainer = Trainer(config, tmp_path, device="cuda", progress=False)

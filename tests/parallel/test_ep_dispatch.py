@@ -15,6 +15,7 @@ from conftest import run_distributed
 from moetrain.moe.balance import count_tokens_per_expert
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import GroupedExperts
+from moetrain.moe.payload import fp8_round_trip_reference
 from moetrain.moe.router import RoutingResult
 from moetrain.parallel.ep_dispatch import AllToAllDispatcher, NoSyncDispatcher, keep_counts
 
@@ -219,3 +220,49 @@ def _dispatch_world2(rank, world_size):
 @pytest.mark.distributed
 def test_dispatchers_world2():
     assert run_distributed(_dispatch_world2, 2) == [True, True]
+
+
+def _fp8_payload_world2(rank, world_size):
+    """precision.dispatch=fp8: the rows cross ranks as uint8 (e4m3 + scale), arrive as the
+    FP8-rounded tokens, and the gradient is that of the bf16 path (straight-through)."""
+    group = dist.new_group([0, 1])
+    e = E // world_size
+    for kind in ("all_to_all", "no_sync"):
+        x, ids, w = group_inputs(world_size, seed=5, skew=0.3)
+        routing = make_routing(ids[rank], w[rank])
+        grad_TD = torch.randn(T, D, generator=torch.Generator().manual_seed(rank))
+        results = []
+        for payload, x_in in (("fp8", x[rank]), ("bf16", fp8_round_trip_reference(x[rank]))):
+            if kind == "all_to_all":
+                dispatcher = AllToAllDispatcher(E, group, payload)
+            else:
+                dispatcher = NoSyncDispatcher(E, group, rank, payload=payload)
+            x_TD = x_in.clone().requires_grad_()
+            sent = []
+            original = dist.all_to_all_single
+
+            def recording(out, inp, *args, **kwargs):
+                sent.append((inp.dtype, tuple(inp.shape[1:])))
+                return original(out, inp, *args, **kwargs)
+
+            dist.all_to_all_single = recording
+            try:
+                rows, offsets, handle = dispatcher.dispatch(x_TD, routing)
+                y_TD = dispatcher.combine(scale_experts(rows, offsets, rank * e), handle)
+                y_TD.backward(grad_TD)
+            finally:
+                dist.all_to_all_single = original
+            results.append((rows.detach(), y_TD.detach(), x_TD.grad, sent))
+        (rows8, y8, g8, sent8), (rows16, y16, g16, sent16) = results
+        assert torch.equal(rows8, rows16), kind
+        assert torch.equal(y8, y16) and torch.equal(g8, g16), kind
+        rows_sent = [s for s in sent8 if s[1]]  # the counts exchange sends 1-D tensors
+        assert rows_sent[0] == (torch.uint8, (D + 4,)), (kind, sent8)
+        assert all(s == (torch.float32, (D,)) for s in rows_sent[1:]), (kind, sent8)
+        assert [s for s in sent16 if s[1]][1:] == rows_sent[1:], kind
+    return True
+
+
+@pytest.mark.distributed
+def test_fp8_payload_world2():
+    assert run_distributed(_fp8_payload_world2, 2) == [True, True]

@@ -17,7 +17,15 @@ import torch
 import torch.distributed as dist
 from conftest import run_distributed
 
-from moetrain.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from moetrain.config import (
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    TrainConfig,
+)
+from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel import GradientSync, init_distributed, is_expert_param, parallelize
 from moetrain.parallel.expert import read_dispatch_stats
@@ -27,12 +35,13 @@ pytestmark = pytest.mark.distributed
 STEPS, BATCH, SEQ, VOCAB = 3, 2, 16, 64
 
 
-def tiny_config(dp: int, ep: int, dispatcher: str, **parallel) -> RunConfig:
+def tiny_config(dp: int, ep: int, dispatcher: str, payload: str = "bf16", **parallel) -> RunConfig:
     return RunConfig(
         model=ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4),
         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, dispatcher=dispatcher),
         parallel=ParallelConfig(dp=dp, ep=ep, **parallel),
         train=TrainConfig(seq_len=SEQ, micro_batch_size=BATCH, seed=3),
+        precision=PrecisionConfig(dispatch=payload),
     )
 
 
@@ -61,6 +70,8 @@ def run_case(config: RunConfig, accum: int = 1, bucket_mb: float = 25.0) -> None
     model.init_weights()
     reference = build_model(dataclasses.replace(config, parallel=ParallelConfig()))
     ref_params = dict(reference.named_parameters())
+    for layer in reference.moe_layers():  # FP8 payload: the same rounding, nothing moved
+        layer.dispatcher = LocalDispatcher(config.precision.dispatch)
     for name, param in model.named_parameters():
         expected = ref_params[name].detach()
         if is_expert_param(name) and dims.ep_group is not None:
@@ -123,6 +134,8 @@ def _world2(rank, world_size):
     run_case(tiny_config(2, 2, "no_sync", activation_checkpointing="moe"))
     run_case(tiny_config(2, 2, "all_to_all", activation_checkpointing="full"))
     run_case(tiny_config(2, 1, "auto"), accum=2)  # plain data parallel
+    for dispatcher in ("all_to_all", "no_sync"):  # FP8 payload (precision.dispatch)
+        run_case(tiny_config(2, 2, dispatcher, payload="fp8"))
 
 
 def _world4(rank, world_size):
