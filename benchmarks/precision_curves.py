@@ -1,7 +1,9 @@
 """Loss curves of one preset under each expert-GEMM precision recipe, on the embedded corpus.
 
     python benchmarks/precision_curves.py --preset tiny --steps 300 [--device cpu]
+        [--recipes bf16,fp8_rowwise,mxfp8,fp8_rowwise+fp8_dispatch] [--set key=value ...]
 
+A recipe is a `precision.experts` value, optionally with "+fp8_dispatch" (precision.dispatch=fp8).
 On CPU the FP8 and MXFP8 recipes run as emulations (quantize, dequantize, higher-precision math),
 which reproduce their numerics, not their speed. Prints a markdown table of the final training
 and validation losses and their difference to the unquantized run.
@@ -23,13 +25,18 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--recipes", default="bf16,fp8_rowwise,mxfp8,fp8_rowwise+fp8_dispatch")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     rows = []
-    for recipe in ("bf16", "fp8_rowwise", "mxfp8"):
+    for recipe in args.recipes.split(","):
+        experts, _, dispatch = recipe.partition("+")
         config = get_preset(args.preset).with_overrides(
             [
+                *args.set,
                 f"train.steps={args.steps}",
-                f"precision.experts={recipe}",
+                f"precision.experts={experts}",
+                f"precision.dispatch={'fp8' if dispatch == 'fp8_dispatch' else 'bf16'}",
                 "train.log_every=25",
                 f"train.eval_every={args.steps}",
                 "train.checkpoint_every=0",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark runs behind benchmarks/RESULTS.md, on one GPU. PART=1 or 2 (each fits one
+# The benchmark runs behind benchmarks/RESULTS.md, on one GPU. PART=1, 2 or 3 (each fits one
 # 10-minute device call). Appends dated tables to $OUT/RESULTS.md (or ./RESULTS.new.md).
 set -uo pipefail
 OUT=${OUT:-.}; R=$OUT/RESULTS.md
@@ -13,4 +13,10 @@ if [[ ${PART:-1} == 2 ]]; then
   python3 -m moetrain bench --sweep --optimizer bf16-adamw --json "$OUT/sweep.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
   python3 -m moetrain bench --preset olmoe8 --optimizer mixed --set precision.experts=fp8_rowwise --json "$OUT/olmoe8_fp8.json" --results-md "$R" 2>&1 | grep -v Warn | tail -5
   timeout 120 python3 benchmarks/fp8_gemm_bench.py 2>&1 | tail -20 | tee "$OUT/fp8_gemm.txt"
+fi
+if [[ ${PART:-1} == 3 ]]; then  # low precision: step time by recipe, then loss curves
+  for p in "" "--set precision.experts=fp8_rowwise" "--set precision.experts=fp8_rowwise --set precision.dispatch=fp8"; do
+    python3 -m moetrain bench --preset olmoe8 --optimizer mixed --profile $p --json "$OUT/olmoe8_prec$(echo $p | tr -dc a-z0-9 | tail -c 12).json" --results-md "$R" 2>&1 | grep -v Warn | tail -6
+  done
+  python3 benchmarks/precision_curves.py --preset demo --steps 300 --set parallel.compile=false 2>&1 | grep -v "^note" | tee "$OUT/curves.txt"
 fi

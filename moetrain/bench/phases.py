@@ -16,6 +16,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("optimizer", ("adam", "foreach", "multi_tensor")),
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")),
     ("expert GEMMs", ("grouped", "group_gemm", "groupedgemm", "groupproblemshape")),
+    # moetrain's Triton quantizers (kernels/quant_triton.py) and torch's float8 casts
+    ("FP8 conversions", ("_rowwise_kernel", "_column_amax", "_column_cast", "_mxfp8", "float8")),
     (
         "dispatch/combine (sort, gather, scatter)",
         ("sort", "radix", "index", "gather", "scatter", "cumsum", "scan", "bmm"),

@@ -241,7 +241,7 @@ def _fp8_payload_world2(rank, world_size):
             sent = []
             original = dist.all_to_all_single
 
-            def recording(out, inp, *args, **kwargs):
+            def recording(out, inp, *args, sent=sent, original=original, **kwargs):
                 sent.append((inp.dtype, tuple(inp.shape[1:])))
                 return original(out, inp, *args, **kwargs)
 

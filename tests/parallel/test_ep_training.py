@@ -25,8 +25,8 @@ from moetrain.config import (
     RunConfig,
     TrainConfig,
 )
-from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.model.transformer import Transformer, build_model
+from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.parallel import GradientSync, init_distributed, is_expert_param, parallelize
 from moetrain.parallel.expert import read_dispatch_stats
 
