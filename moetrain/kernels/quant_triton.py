@@ -22,8 +22,6 @@ Triton is first imported (Triton fixes the mode of its own library at import).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moetrain.kernels.quant import (
@@ -34,14 +32,10 @@ from moetrain.kernels.quant import (
     FP8_E4M3_MAX,
     MX_BLOCK,
 )
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the package works without Triton; only these kernels need it
-    triton = None
-    tl = None
-
+from moetrain.kernels.triton_support import interpreting as _interpreting
+from moetrain.kernels.triton_support import jit as _jit
+from moetrain.kernels.triton_support import tl, triton
+from moetrain.kernels.triton_support import triton_available as triton_available
 
 # Kernels may only read globals that are constexpr.
 _constexpr = tl.constexpr if triton is not None else (lambda value: value)
@@ -50,19 +44,6 @@ _FP8_MAX = _constexpr(FP8_E4M3_MAX)
 _ELEM_EMAX = _constexpr(E4M3_EMAX)
 _SCALE_MAX = _constexpr(E8M0_MAX_FINITE)
 _SCALE_NAN = _constexpr(E8M0_NAN)
-
-
-def _jit(fn):
-    """triton.jit, or the plain function without Triton so that this module still imports."""
-    return triton.jit(fn) if triton is not None else fn
-
-
-def triton_available() -> bool:
-    return triton is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --- kernels -----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moetrain.kernels.gather import combine_routes, gather_routes
 from moetrain.moe.payload import check_payload, fp8_round_trip
 from moetrain.moe.router import RoutingResult
 
@@ -41,7 +42,9 @@ class LocalHandle:
 
 class LocalDispatcher:
     """All experts on this device. A stable sort of the T*K routes by expert id gives the row
-    order (ties keep token order, so the result is deterministic); one gather builds the rows.
+    order (ties keep token order, so the result is deterministic). The row movements are
+    `moetrain.kernels.gather`: Triton kernels near memory bandwidth on GPU (every backward is a
+    gather too: no scatter, no atomics), plain torch elsewhere.
     `payload="fp8"`: nothing leaves the device, so only the FP8 rounding of the rows is applied
     (before the K-fold gather: T rows quantized, not T*K), which keeps a run's numerics the same
     with and without expert parallelism."""
@@ -57,63 +60,37 @@ class LocalDispatcher:
             x_TD = fp8_round_trip(x_TD)
         order_N = torch.argsort(routing.expert_ids_TK.reshape(-1), stable=True)
         inverse_N = torch.argsort(order_N)  # a permutation's inverse; cheaper than index_put
-        rows_ND = gather_routes(x_TD, order_N, inverse_N, top_k)
+        inverse_TK = inverse_N.view(num_tokens, top_k)
+        rows_ND = gather_routes(x_TD, order_N, inverse_TK)
         offsets_e = routing.tokens_per_expert_E.cumsum(0).to(torch.int32)
-        handle = LocalHandle(order_N, inverse_N.view(num_tokens, top_k), routing.weights_TK)
-        return rows_ND, offsets_e, handle
+        return rows_ND, offsets_e, LocalHandle(order_N, inverse_TK, routing.weights_TK)
 
     def combine(self, y_ND: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
-        y_TKD = permute_rows(y_ND, handle.inverse_order_TK.reshape(-1), handle.order_N)
-        num_tokens, top_k = handle.inverse_order_TK.shape
-        return weighted_sum_of_routes(y_TKD.view(num_tokens, top_k, -1), handle.weights_TK)
+        return combine_routes(y_ND, handle.order_N, handle.inverse_order_TK, handle.weights_TK)
 
 
-class _PermuteRows(torch.autograd.Function):
-    """out = x[index] for a permutation `index`; backward is the gather by its inverse (no
-    scatter, no atomics, unlike the generic index backward, which sorts)."""
+class _WeightedSumOfRoutes(torch.autograd.Function):
+    """Float32 products and sums; saves y in its own dtype (not a float32 copy)."""
 
     @staticmethod
-    def forward(ctx, x_ND, index_N, inverse_N):  # type: ignore[override]
-        ctx.save_for_backward(inverse_N)
-        return x_ND[index_N]
+    def forward(ctx, y_TKD, weights_TK):  # type: ignore[override]
+        ctx.save_for_backward(y_TKD, weights_TK)
+        acc = torch.promote_types(y_TKD.dtype, torch.float32)
+        return (y_TKD.to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(dim=1).to(y_TKD.dtype)
 
     @staticmethod
-    def backward(ctx, grad_ND):  # type: ignore[override]
-        (inverse_N,) = ctx.saved_tensors
-        return grad_ND[inverse_N], None, None
-
-
-class _GatherRoutes(torch.autograd.Function):
-    """rows[n] = x[order[n] // K]: each token copied to its K routes. Backward sums the K route
-    gradients of each token: one gather by the inverse order, then a sum over K."""
-
-    @staticmethod
-    def forward(ctx, x_TD, order_N, inverse_N, top_k: int):  # type: ignore[override]
-        ctx.save_for_backward(inverse_N)
-        ctx.top_k = top_k
-        return x_TD[order_N // top_k]
-
-    @staticmethod
-    def backward(ctx, grad_ND):  # type: ignore[override]
-        (inverse_N,) = ctx.saved_tensors
-        grad_TKD = grad_ND[inverse_N].view(-1, ctx.top_k, grad_ND.shape[-1])
-        return grad_TKD.sum(dim=1), None, None, None
-
-
-def permute_rows(
-    x_ND: torch.Tensor, index_N: torch.Tensor, inverse_N: torch.Tensor
-) -> torch.Tensor:
-    return _PermuteRows.apply(x_ND, index_N, inverse_N)
-
-
-def gather_routes(
-    x_TD: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor, top_k: int
-) -> torch.Tensor:
-    """Expert-ordered rows of the K-times repeated tokens (see `_GatherRoutes`)."""
-    return _GatherRoutes.apply(x_TD, order_N, inverse_N, top_k)
+    def backward(ctx, grad_TD):  # type: ignore[override]
+        y_TKD, weights_TK = ctx.saved_tensors
+        acc = torch.promote_types(y_TKD.dtype, torch.float32)
+        g_T1D = grad_TD.to(acc).unsqueeze(1)
+        grad_y = (weights_TK.to(acc).unsqueeze(-1) * g_T1D).to(y_TKD.dtype)
+        grad_w = (y_TKD.to(acc) * g_T1D).sum(-1).to(weights_TK.dtype)
+        return grad_y, grad_w
 
 
 def weighted_sum_of_routes(y_TKD: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * y[t, k, :] in y's dtype. Elementwise, not a batched product: with K of 2-8
-    a bmm runs tiny, slow GEMMs; this is two memory passes, fused into one under compile."""
-    return (y_TKD * weights_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(dim=1)
+    """sum_k w[t, k] * y[t, k, :], accumulated in float32 (as the kernels of
+    moetrain.kernels.gather do), returned in y's dtype. Used by the expert-parallel dispatchers.
+    Elementwise, not a batched product: with K of 2-8 a bmm runs tiny, slow GEMMs; under compile
+    the casts, products and sums fuse."""
+    return _WeightedSumOfRoutes.apply(y_TKD, weights_TK)

@@ -1,0 +1,130 @@
+"""Token <-> expert-ordered row movements of the LocalDispatcher, with plain-torch references.
+
+Letters: T tokens, K top-k, N = T*K rows, D model dim. `order_N` (int64) is a permutation of
+range(N): row n of the expert-ordered rows holds route order_N[n], i.e. token order_N[n] // K and
+slot order_N[n] % K. `inverse_TK` (int64, (T, K)) is its inverse: inverse_TK.view(-1)[order_N[n]]
+== n, so token t's k-th route sits in row inverse_TK[t, k].
+
+    rows_ND = gather_routes(x_TD, order_N, inverse_TK)             # rows[n] = x[order[n] // K]
+    out_TD = combine_routes(y_ND, order_N, inverse_TK, weights_TK)  # sum_k w[t, k] y[inverse[t, k]]
+
+Both carry both permutations so that every backward is a gather too (no scatter, no atomics):
+- gather: grad_x[t] = sum_k grad_rows[inverse[t, k]], the unweighted combine;
+- combine: grad_y[n] = w_flat[order[n]] * g[order[n] // K] and
+  grad_w[t, k] = <y[inverse[t, k]], g[t]>, both computed row by row in one pass.
+Sums over K and over D accumulate in float32 (at least), and come back in the rows' dtype; the
+weights are float32 router weights and their gradient is float32.
+
+On CUDA with Triton installed the public functions run the Triton ops of `gather_triton` (no
+graph break under `torch.compile(fullgraph=True)`, near memory bandwidth); elsewhere they run the
+references, with the explicit backward formulas below (so both paths save the same tensors). The Triton ops walk tokens and need only
+`inverse_TK` (which must then be a permutation: rows no route maps to would be left unwritten);
+`order_N` is what the references and the row-order formulas above use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.kernels import gather_triton
+
+
+def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float32, or float64 when an input is float64 (the tests' exact references)."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+# --- references --------------------------------------------------------------------------------
+
+
+def gather_routes_reference(
+    x_TD: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor
+) -> torch.Tensor:
+    """rows[n] = x[order[n] // K]."""
+    return x_TD[order_N // inverse_TK.shape[1]]
+
+
+def gather_routes_backward_reference(grad_ND: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """grad_x[t] = sum_k grad_rows[inverse[t, k]], accumulated in float32, in grad's dtype."""
+    return grad_ND[inverse_TK].to(_acc_dtype(grad_ND)).sum(1).to(grad_ND.dtype)
+
+
+def combine_routes_reference(
+    y_ND: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
+    """out[t] = sum_k w[t, k] * y[inverse[t, k]], accumulated in float32, in y's dtype."""
+    acc = _acc_dtype(y_ND, weights_TK)
+    return (y_ND[inverse_TK].to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_ND.dtype)
+
+
+def combine_routes_backward_reference(
+    grad_TD: torch.Tensor, y_ND: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_y, grad_w) of `combine_routes` in row order: grad_y[n] = w_flat[order[n]] *
+    g[order[n] // K] (in y's dtype) and grad_w[t, k] = <y[inverse[t, k]], g[t]> (float32 sums, in
+    the weights' dtype). The dot products are taken row by row, then gathered back to (T, K)."""
+    acc = _acc_dtype(y_ND, weights_TK)
+    top_k = weights_TK.shape[1]
+    g_ND = grad_TD[order_N // top_k].to(acc)
+    grad_y = (weights_TK.reshape(-1)[order_N].to(acc).unsqueeze(-1) * g_ND).to(y_ND.dtype)
+    dot_N = (y_ND.to(acc) * g_ND).sum(-1)
+    grad_w = torch.empty_like(dot_N)
+    grad_w[order_N] = dot_N  # a permutation: every slot written once
+    return grad_y, grad_w.view(weights_TK.shape).to(weights_TK.dtype)
+
+
+# --- public, differentiable --------------------------------------------------------------------
+
+
+class _GatherRoutesReference(torch.autograd.Function):
+    """The reference with the kernels' backward (a gather by `inverse_TK`, no index_put) and
+    their saved tensors, so CPU and GPU runs hold the same activation memory."""
+
+    @staticmethod
+    def forward(ctx, x_TD, order_N, inverse_TK):  # type: ignore[override]
+        ctx.save_for_backward(inverse_TK)
+        return gather_routes_reference(x_TD, order_N, inverse_TK)
+
+    @staticmethod
+    def backward(ctx, grad_ND):  # type: ignore[override]
+        (inverse_TK,) = ctx.saved_tensors
+        return gather_routes_backward_reference(grad_ND.contiguous(), inverse_TK), None, None
+
+
+class _CombineRoutesReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_ND, order_N, inverse_TK, weights_TK):  # type: ignore[override]
+        ctx.save_for_backward(y_ND, order_N, weights_TK)
+        return combine_routes_reference(y_ND, order_N, inverse_TK, weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD):  # type: ignore[override]
+        y_ND, order_N, weights_TK = ctx.saved_tensors
+        grad_y, grad_w = combine_routes_backward_reference(grad_TD, y_ND, order_N, weights_TK)
+        return grad_y, None, None, grad_w
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and gather_triton.triton_available()
+
+
+def gather_routes(
+    x_TD: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor
+) -> torch.Tensor:
+    """Expert-ordered rows of the K-times repeated tokens: rows[n] = x[order[n] // K]."""
+    if _use_triton(x_TD):
+        return gather_triton.gather_routes_triton(x_TD, inverse_TK)
+    return _GatherRoutesReference.apply(x_TD, order_N, inverse_TK)
+
+
+def combine_routes(
+    y_ND: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
+    """Each token's K expert results weighted by its router weights and summed, in y's dtype."""
+    if _use_triton(y_ND):
+        weights_TK = weights_TK.to(torch.float32)  # the kernels read float32 weights
+        return gather_triton.combine_routes_triton(y_ND, inverse_TK, weights_TK)
+    return _CombineRoutesReference.apply(y_ND, order_N, inverse_TK, weights_TK)
