@@ -189,6 +189,8 @@ class TrainConfig:
     expert_lr_mult: float = 1.0
     router_lr_mult: float = 1.0
     optimizer: Literal["adamw", "sharded"] = "adamw"
+    # the replicated AdamW's update kernel: auto = Triton on CUDA when installed, else torch's
+    adamw_kernel: Literal["auto", "torch", "triton"] = "auto"
     log_every: int = 10
     eval_every: int = 100  # 0 disables evaluation
     eval_batches: int = 8
@@ -241,6 +243,7 @@ class TrainConfig:
                 _fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
         _choice(s, self, "schedule", ("cosine", "linear", "wsd", "constant"))
         _choice(s, self, "optimizer", ("adamw", "sharded"))
+        _choice(s, self, "adamw_kernel", ("auto", "torch", "triton"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,13 @@ It has the interface the trainer uses for every optimizer (ShardedAdamW has the 
 - bf16 parameters with master weights: fp32 copies of every parameter carry the update; the bf16
   gradients are cast into the masters' grads, fused AdamW updates the masters, and the result is
   copied back into the bf16 parameters.
+- On CUDA with Triton (`kernel="triton"`, the trainer's default there) one multi-tensor kernel per
+  parameter group (moetrain.kernels.adamw_triton) does the same update in one pass near memory
+  bandwidth: it reads the bf16 gradients directly (no fp32 copies) and writes master, moments and
+  the bf16 parameter together. torch.optim.AdamW still owns the state (same state_dict); its
+  `step` tensors advance on device only on steps that count. A step where some parameter has no
+  gradient falls back to torch's kernel, whose per-parameter semantics (skip that parameter) the
+  single kernel does not have, and the fallback then stays on for the rest of the run.
 - `skip` is a device bool tensor: when true (non-finite loss or gradient) the step changes nothing.
   The fused kernels honour it on the device through AdamW's `found_inf`; elsewhere the update is
   applied and then rolled back with `torch.where`, also on the device. No host sync either way.
@@ -20,6 +27,7 @@ It has the interface the trainer uses for every optimizer (ShardedAdamW has the 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +47,7 @@ class AdamW:
         fused: bool,
         norm_fn: Callable[[], torch.Tensor],
         grad_sync: Any = None,
+        kernel: str = "torch",
     ) -> None:
         self.norm_fn, self.grad_sync = norm_fn, grad_sync
         self.params = [p for g in param_groups for p in g["params"]]
@@ -57,6 +66,11 @@ class AdamW:
             )
         self.masters = [p for g in groups for p in g["params"]] if self.use_masters else None
         self.fused = fused
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"AdamW kernel must be 'torch' or 'triton', got {kernel!r}")
+        if kernel == "triton" and not fused:
+            raise ValueError("the Triton AdamW kernel runs on CUDA only (fused=True)")
+        self.kernel = kernel
         self.opt = torch.optim.AdamW(
             groups,
             lr=0.0,
@@ -92,6 +106,16 @@ class AdamW:
     def _update(self, lr: float, skip: torch.Tensor, clip: torch.Tensor | None) -> None:
         for group in self.opt.param_groups:
             group["lr"] = lr * group["lr_mult"]
+        if self.kernel == "triton" and all(p.grad is not None for p in self.params):
+            self._triton_update(skip, clip)
+            return
+        if self.kernel == "triton":  # a parameter without a gradient: torch's semantics from now on
+            warnings.warn(
+                "AdamW: a parameter has no gradient; the Triton kernel needs every one, "
+                "falling back to torch's fused AdamW for the rest of the run",
+                stacklevel=2,
+            )
+            self.kernel = "torch"
         if self.use_masters:
             for master, p in zip(self.masters, self.params, strict=True):
                 master.grad = None if p.grad is None else p.grad.float()
@@ -117,6 +141,43 @@ class AdamW:
         if self.use_masters:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.masters)
+
+    def _triton_update(self, skip: torch.Tensor, clip: torch.Tensor | None) -> None:
+        from moetrain.kernels.adamw_triton import multi_tensor_adamw_
+
+        self.init_state()
+        found_inf = skip.float()
+        grad_scale = None if clip is None else clip.reciprocal()
+        model_params = iter(self.params)
+        for group in self.opt.param_groups:
+            # one launch per dtype signature within the group (one in practice)
+            launches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for target in group["params"]:
+                p = next(model_params)
+                key = (p.dtype, p.grad.dtype, self.opt.state[target]["exp_avg"].dtype)
+                launches.setdefault(key, []).append((p, target))
+            beta1, beta2 = group["betas"]
+            for pairs in launches.values():
+                params = [p for p, _ in pairs]
+                states = [self.opt.state[t] for _, t in pairs]
+                steps = [state["step"] for state in states]
+                # a list of device scalars: the (list, Tensor) overload reads it on the host
+                torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))  # all stay equal
+                multi_tensor_adamw_(
+                    params,
+                    [p.grad for p in params],
+                    [state["exp_avg"] for state in states],
+                    [state["exp_avg_sq"] for state in states],
+                    [t for _, t in pairs] if self.use_masters else None,
+                    steps[0],
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
+                )
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -91,9 +91,25 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
         fused=dims.device.type == "cuda",
         norm_fn=norm_fn,
         grad_sync=grad_sync,
+        kernel=resolve_adamw_kernel(t.adamw_kernel, dims.device),
     )
     optimizer.init_state()
     return optimizer
+
+
+def resolve_adamw_kernel(choice: str, device: torch.device) -> str:
+    """train.adamw_kernel: "auto" picks the Triton kernel on CUDA when Triton is installed."""
+    from moetrain.kernels import adamw_triton
+
+    usable = device.type == "cuda" and adamw_triton.triton_available()
+    if choice == "triton" and not usable:
+        raise ValueError(
+            f"train.adamw_kernel (triton) needs a CUDA device and Triton; device is {device}, "
+            f"Triton {'is' if adamw_triton.triton_available() else 'is not'} installed"
+        )
+    if choice == "auto":
+        return "triton" if usable else "torch"
+    return choice
 
 
 def apply_precision(model: Transformer, config: RunConfig, device: torch.device) -> None:

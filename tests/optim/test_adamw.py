@@ -16,7 +16,7 @@ def _params(seed, dtype=torch.float32):
     ]
 
 
-def _ours(params, fused, master_weights=False):
+def _ours(params, fused, master_weights=False, kernel="torch"):
     groups = [
         {
             "params": params,
@@ -36,6 +36,7 @@ def _ours(params, fused, master_weights=False):
         master_weights=master_weights,
         fused=fused,
         norm_fn=norm_fn,
+        kernel=kernel,
     )
     opt.init_state()
     return opt
@@ -103,3 +104,44 @@ def test_bf16_params_update_through_fp32_masters():
     for p, q, m in zip(ours, ref, opt.masters, strict=True):
         torch.testing.assert_close(m, q, rtol=1e-5, atol=1e-6)
         assert torch.equal(p, q.to(torch.bfloat16))
+
+
+def _triton_ready() -> bool:
+    from moetrain.kernels import adamw_triton
+
+    return torch.cuda.is_available() and adamw_triton.triton_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _triton_ready(), reason="needs a CUDA GPU and Triton")
+@pytest.mark.parametrize(
+    "dtype,masters", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_triton_kernel_matches_torch_fused(dtype, masters):
+    """kernel="triton" against torch's fused AdamW through the same wrapper: clipping, a skipped
+    step, states and parameters; then a missing gradient falls back to torch with a warning."""
+    runs = {}
+    for kernel in ("torch", "triton"):
+        params = [torch.nn.Parameter(p.detach().cuda()) for p in _params(5, dtype)]
+        opt = _ours(params, fused=True, master_weights=masters, kernel=kernel)
+        g = torch.Generator().manual_seed(6)
+        for step in range(6):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=g) * 3).to(dtype).cuda()
+            opt.step(LR, MAX_NORM, skip=torch.tensor(step == 3, device="cuda"))
+        runs[kernel] = (params, opt.state_dict())
+    (p_torch, s_torch), (p_triton, s_triton) = runs["torch"], runs["triton"]
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+    for a, b in zip(p_triton, p_torch, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    for name in s_torch:
+        for key, value in s_torch[name].items():
+            torch.testing.assert_close(s_triton[name][key].float(), value.float(), **tol)
+    assert float(s_triton["p0"]["step"]) == 5.0  # the skipped step does not count
+    opt = _ours(p_triton, fused=True, master_weights=masters, kernel="triton")
+    p_triton[1].grad = None
+    p_triton[0].grad = torch.ones_like(p_triton[0])
+    p_triton[2].grad = torch.ones_like(p_triton[2])
+    with pytest.warns(UserWarning, match="no gradient"):
+        opt.step(LR, 0.0)
+    assert opt.kernel == "torch"
