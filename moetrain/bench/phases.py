@@ -20,7 +20,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("FP8 conversions", ("_rowwise_kernel", "_column_amax", "_column_cast", "_mxfp8", "float8")),
     (
         "dispatch/combine (sort, gather, scatter)",
-        ("sort", "radix", "index", "gather", "scatter", "cumsum", "scan", "bmm"),
+        ("sort", "radix", "index", "gather", "scatter", "cumsum", "scan", "bmm", "routes_kernel"),
     ),
     (
         "dense GEMMs (projections, router, LM head)",
