@@ -54,6 +54,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         init_from=args.init_from,
         device=args.device,
         progress=not args.quiet,
+        overwrite=args.overwrite,
     )
     try:
         summary = trainer.train()
@@ -173,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from the newest complete checkpoint"
     )
     p.add_argument("--init-from", help="start from the weights of this checkpoint (e.g. imported)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run directory that holds an earlier run (deletes its checkpoints "
+        "and metrics); without it that is an error",
+    )
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     add_dry_run_arguments(p)

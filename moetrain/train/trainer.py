@@ -30,18 +30,20 @@ from moetrain.config import RunConfig
 from moetrain.data import RandomTokenLoader, SequenceLoader, open_data
 from moetrain.model.flops import flops_per_token
 from moetrain.model.transformer import Transformer
-from moetrain.moe.fp8_gemm import make_grouped_gemm
 from moetrain.optim.adamw import AdamW
-from moetrain.optim.clip import global_grad_norm, params_with_kinds
-from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.schedule import lr_at
-from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
-from moetrain.parallel.data import GradientSync, all_reduce_stats
+from moetrain.parallel.data import all_reduce_stats
 from moetrain.parallel.expert import globalize_experts, localize, read_dispatch_stats
 from moetrain.parallel.mesh import ParallelDims, init_distributed
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline
 from moetrain.train import step as train_step
+from moetrain.train.build import (
+    apply_precision,
+    build_optimizer,
+    claim_run_dir,
+    resolve_param_dtype,
+)
 from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory_gib
 from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
 from moetrain.train.spike import LossSpikeDetector
@@ -49,95 +51,6 @@ from moetrain.train.spike import LossSpikeDetector
 
 class TrainingStopped(RuntimeError):
     """Raised after saving when training cannot continue (too many non-finite steps)."""
-
-
-def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
-    """AdamW replicated over data parallelism (GradientSync all-reduces gradients), or the
-    distributed optimizer (train.optimizer = sharded), which reduce-scatters them itself."""
-    t = config.train
-    groups = build_param_groups(model, t)
-    if t.optimizer == "sharded":
-        if config.parallel.data_parallel == "fsdp":
-            raise ValueError(
-                "train.optimizer (sharded) cannot be combined with "
-                "parallel.data_parallel (fsdp): FSDP shards the states itself"
-            )
-        return ShardedAdamW(
-            groups,
-            dense_group=dims.dp_group,
-            expert_group=dims.edp_group,
-            expert_grad_divisor=dims.dp,
-            lr=t.lr,
-            betas=(t.beta1, t.beta2),
-            eps=t.eps,
-            global_slices=expert_global_slices(model, config.moe.num_experts),
-            pp_group=dims.pp_group,
-            param_order=[n for n, _ in model.named_parameters()],
-        )
-    fsdp = config.parallel.data_parallel == "fsdp"
-    grad_sync = GradientSync(model, dims) if dims.world_size > 1 and not fsdp else None
-    pairs = params_with_kinds(groups)
-
-    def norm_fn() -> torch.Tensor:
-        if fsdp:  # DTensor gradients: torch's norm understands their sharding
-            return torch.nn.utils.get_total_norm([p.grad for p, _ in pairs if p.grad is not None])
-        return global_grad_norm(pairs, ep_group=dims.ep_group, pp_group=dims.pp_group)
-
-    optimizer = AdamW(
-        groups,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-        master_weights=config.precision.master_weights,
-        fused=dims.device.type == "cuda",
-        norm_fn=norm_fn,
-        grad_sync=grad_sync,
-        kernel=resolve_adamw_kernel(t.adamw_kernel, dims.device),
-    )
-    optimizer.init_state()
-    return optimizer
-
-
-def resolve_adamw_kernel(choice: str, device: torch.device) -> str:
-    """train.adamw_kernel: "auto" picks the Triton kernel on CUDA when Triton is installed."""
-    from moetrain.kernels import adamw_triton
-
-    usable = device.type == "cuda" and adamw_triton.triton_available()
-    if choice == "triton" and not usable:
-        raise ValueError(
-            f"train.adamw_kernel (triton) needs a CUDA device and Triton; device is {device}, "
-            f"Triton {'is' if adamw_triton.triton_available() else 'is not'} installed"
-        )
-    if choice == "auto":
-        return "triton" if usable else "torch"
-    return choice
-
-
-def apply_precision(model: Transformer, config: RunConfig, device: torch.device) -> None:
-    """Install the expert GEMM of `precision.experts`; an unsupported choice fails here, at
-    start-up, never as a silent fallback. (`precision.dispatch` is the dispatchers' payload,
-    installed with them by moetrain.parallel.expert.)"""
-    if config.precision.dispatch == "fp8" and config.parallel.ep == 1:
-        print(
-            "note: precision.dispatch=fp8 without expert parallelism: no rows leave the device;"
-            " the dispatched rows get the FP8 rounding only (same numerics as with ep > 1)"
-        )
-    if config.precision.experts == "bf16":
-        return
-    gemm = make_grouped_gemm(config.precision.experts, device)
-    for layer in model.moe_layers():
-        layer.experts.gemm = gemm
-    if gemm.emulated:
-        print(
-            f"note: precision.experts={config.precision.experts} runs as {gemm.name}: "
-            "for studying numerics, not for speed"
-        )
-
-
-def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
-    choice = config.precision.param_dtype
-    if choice == "auto":
-        choice = "bf16" if device.type == "cuda" else "fp32"
-    return torch.bfloat16 if choice == "bf16" else torch.float32
 
 
 class Trainer:
@@ -150,6 +63,7 @@ class Trainer:
         init_from: str | Path | None = None,
         device: str | None = None,
         progress: bool = True,
+        overwrite: bool = False,
     ) -> None:
         self.config = config
         self.dims: ParallelDims = init_distributed(config, device)
@@ -157,6 +71,8 @@ class Trainer:
         self.is_main = self.dims.rank == 0
         self.run_dir = Path(run_dir or Path("runs") / config.name)
         self.checkpoint_root = self.run_dir / "checkpoints"
+        if not resume:
+            claim_run_dir(self.run_dir, self.checkpoint_root, overwrite, self.is_main)
         manager.check_writable(self.checkpoint_root)  # fail now, not at the first save
         self.accum_steps = config.grad_accum_steps(self.dims.dp)
         t = config.train

@@ -165,3 +165,28 @@ def test_capacity_drops_and_buffer_use_are_logged(tmp_cache, tmp_path):
     for layer in record["moe"]:
         assert 0.0 < layer["drop_frac"] < 0.5
         assert 0.5 < layer["buffer_utilization"] <= 1.0
+
+
+def test_fresh_start_never_mixes_with_an_earlier_run(tmp_cache, tmp_path):
+    """Without --resume a used run directory is an error (its newer checkpoints would outrank and
+    rotate away the new ones); --overwrite deletes the earlier run and starts over."""
+    run = tmp_path / "run"
+    Trainer(_cfg("train.steps=4", "train.checkpoint_every=2"), run, progress=False).train()
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert before == ["step-2", "step-4"]
+    with pytest.raises(ValueError, match="--resume.*--overwrite"):
+        Trainer(_cfg("train.steps=2"), run, progress=False)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # untouched
+    Trainer(
+        _cfg("train.steps=2", "train.checkpoint_every=2"), run, progress=False, overwrite=True
+    ).train()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
+    assert max(_train_losses(run)) == 2  # the earlier run's metrics are gone
+    # the CLI says the same, with a nonzero exit status and no traceback
+    result = subprocess.run(
+        [sys.executable, "-m", "moetrain", "train", "--preset", "tiny", "--run-dir", str(run),
+         "--device", "cpu", "--quiet"],
+        capture_output=True, text=True, env={**os.environ, "MOETRAIN_CACHE": str(tmp_cache)},
+    )  # fmt: skip
+    assert result.returncode != 0 and "--overwrite" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
