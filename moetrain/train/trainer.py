@@ -291,8 +291,12 @@ class Trainer:
         if self.dims.world_size > 1:
             scalars = torch.stack([values["loss"], values["good"]])
             counts = [s[k] for s in stats for k in ("tokens_per_expert", "dropped") if k in s]
-            all_reduce_stats([scalars, *counts], self.dims)
+            router = ("lb_loss", "z_loss", "entropy")  # means over the dp ranks, like the loss
+            means_L3 = torch.stack([torch.stack([s[k].float() for k in router]) for s in stats])
+            all_reduce_stats([scalars, means_L3, *counts], self.dims)
             values["loss"], values["good"] = scalars[0] / self.dims.dp, scalars[1] / self.dims.dp
+            for s, row in zip(stats, means_L3 / self.dims.dp, strict=True):
+                s.update(zip(router, row, strict=True))
         host = {k: v.item() for k, v in values.items()}
         good = max(host["good"], 1.0)
         self.skipped_total += int(round(host["bad"]))

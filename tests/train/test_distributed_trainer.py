@@ -90,6 +90,21 @@ def test_torchrun_ep2_matches_one_process(tmp_path):
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-4 * abs(a[step]), (step, a[step], b[step])
+    # router statistics are means over the dp ranks, as over the one process's micro-batches
+    for key in ("lb_loss", "z_loss", "entropy"):
+        ra, rb = _router_stat(tmp_path / "one", key), _router_stat(tmp_path / "two", key)
+        for step in ra:
+            assert abs(ra[step] - rb[step]) <= 1e-4 * abs(ra[step]), (key, step, ra, rb)
+
+
+def _router_stat(run_dir, key: str) -> dict[int, float]:
+    """Per step, the mean over MoE layers of a logged router statistic."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        r["step"]: sum(layer[key] for layer in r["moe"]) / len(r["moe"])
+        for r in lines
+        if r["kind"] == "train"
+    }
 
 
 def _layout_overrides(world: int, ep: int) -> list[str]:
