@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark runs behind benchmarks/RESULTS.md, on one GPU. PART=1, 2 or 3 (each fits one
+# The benchmark runs behind benchmarks/RESULTS.md, on one GPU. PART=1, 2, 3 or 4 (each fits one
 # 10-minute device call). Appends dated tables to $OUT/RESULTS.md (or ./RESULTS.new.md).
 set -uo pipefail
 OUT=${OUT:-.}; R=$OUT/RESULTS.md
@@ -19,4 +19,8 @@ if [[ ${PART:-1} == 3 ]]; then  # low precision: step time by recipe, then loss 
     python3 -m moetrain bench --preset olmoe8 --optimizer mixed --profile $p --json "$OUT/olmoe8_prec$(echo $p | tr -dc a-z0-9 | tail -c 12).json" --results-md "$R" 2>&1 | grep -v Warn | tail -6
   done
   python3 benchmarks/precision_curves.py --preset demo --steps 300 --set parallel.compile=false 2>&1 | grep -v "^note" | tee "$OUT/curves.txt"
+fi
+if [[ ${PART:-1} == 4 ]]; then  # memory-bound kernels against the torch code they replace
+  python3 benchmarks/gather_bench.py 2>&1 | tee "$OUT/gather_bench.txt"
+  python3 benchmarks/adamw_bench.py 2>&1 | tee "$OUT/adamw_bench.txt"
 fi
