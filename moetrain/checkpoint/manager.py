@@ -62,11 +62,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -91,46 +86,76 @@ def save(
     config_yaml: str,
     keep: int = 2,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final directory. A write that fails (a full
-    disk, a vanished mount) removes `step-N.tmp/` and raises a CheckpointError; the checkpoints
-    already there are untouched."""
+    """Collective: every rank calls it. Returns the final directory. A write that fails on any
+    rank (a full disk, a vanished mount) removes `step-N.tmp/` and raises a CheckpointError on
+    every rank; the checkpoints already there are untouched.
+
+    Three phases, each closed by an agreement of all ranks on whether anything failed (instead
+    of a bare barrier, which would leave the other ranks waiting forever for a rank that raised):
+    rank 0 makes `step-N.tmp/`; every rank writes its DCP shards; rank 0 writes the trainer
+    state, config and manifest and renames the directory."""
     root = Path(checkpoint_root)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
-    try:
+
+    def prepare() -> None:
         if _rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
-        _barrier()
+
+    def write_shards() -> None:
         with _quiet_dcp():
             dcp.save(tensor_state, checkpoint_id=str(tmp))
-        _barrier()
+
+    def finalize() -> None:
         faults.in_save(step, _rank())
-        if _rank() == 0:
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-            (tmp / "config.yaml").write_text(config_yaml)
-            files = {
-                p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-                for p in sorted(tmp.iterdir())
-                if p.is_file()
-            }
-            with (tmp / MANIFEST).open("w") as f:
-                json.dump({"step": step, "files": files}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(root)
-            _prune(root, keep)
-    except (OSError, CheckpointException) as exc:  # DCP's own exception is a BaseException
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_error(root, step, exc) from None
-    _barrier()
+        if _rank() != 0:
+            return
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+        (tmp / "config.yaml").write_text(config_yaml)
+        files = {
+            p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(tmp.iterdir())
+            if p.is_file()
+        }
+        with (tmp / MANIFEST).open("w") as f:
+            json.dump({"step": step, "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep)
+
+    for phase in (prepare, write_shards, finalize):
+        error = None
+        try:
+            phase()
+        except (OSError, CheckpointException) as exc:  # DCP's own exception is a BaseException
+            error = _save_error(root, step, exc)
+        message = _first_error(None if error is None else str(error))
+        if message is not None:
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            _first_error(None)  # no rank returns before the partial directory is gone
+            raise CheckpointError(message) from None
     return final
+
+
+def _first_error(message: str | None) -> str | None:
+    """Every rank's phase outcome, agreed on by all: the first failure's message (with its rank
+    when there are several ranks), or None. Also a barrier."""
+    if not dist.is_initialized():
+        return message
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    for rank, m in enumerate(messages):
+        if m is not None:
+            return f"rank {rank}: {m}"
+    return None
 
 
 def _save_error(root: Path, step: int, exc: BaseException) -> CheckpointError:

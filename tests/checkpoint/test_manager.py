@@ -79,3 +79,46 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert manager.load(manager.latest(tmp_path), target)["step"] == 1
     manager.save(tmp_path, 3, _state(3), {"step": 3}, "")  # a later save cleans the leftover
     assert not (tmp_path / "step-2.tmp").exists()
+
+
+def _save_fails_on_one_rank(rank, world_size, root, phase, failing_rank):
+    """One rank's save fails in `phase`; every rank must raise (none may wait forever)."""
+    import errno
+    from pathlib import Path
+
+    root = Path(root)
+    state = {"model": {"w": torch.full((4,), float(rank))}}
+    manager.save(root, 1, state, {"step": 1}, "")  # a good checkpoint first
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(root / "x"))
+
+    if rank == failing_rank:
+        if phase == "prepare":  # rank 0 cannot create step-2.tmp
+            Path.mkdir = refuse
+        elif phase == "shards":  # inside DCP's collective save (replicated tensors: rank 0 writes)
+            from torch.distributed.checkpoint import filesystem
+
+            filesystem._write_item = refuse
+        else:  # rank 0's manifest and rename
+            manager._fsync_dir = refuse
+    try:
+        manager.save(root, 2, state, {"step": 2}, "")
+    except manager.CheckpointError as exc:
+        message = str(exc)
+    else:
+        message = None
+    return message, sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("phase", ["prepare", "shards", "finalize"])
+def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, phase):
+    """Rank 0 fails in each phase of a save; rank 1 must raise the same error, not wait for it."""
+    from conftest import run_distributed
+
+    results = run_distributed(_save_fails_on_one_rank, 2, str(tmp_path), phase, 0, timeout=120)
+    for message, entries in results:
+        assert message is not None and "rank 0: saving checkpoint step-2" in message
+        assert "no space left on device" in message and "step-1" in message
+        assert entries == ["step-1"]  # no step-2, no step-2.tmp
