@@ -96,7 +96,7 @@ def test_ranks_together_hold_the_model_once():
 
 def test_dry_run_of_the_trillion_preset_agrees_with_the_planner(capsys):
     config = get_preset("trillion-1.2t")
-    layout = layout_from_config(config, 512)  # pp 8, dp 64, ep 8
+    layout = layout_from_config(config, 512)  # pp 16, dp 32, ep 8
     for rank in (0, 511):
         report = dry_run(config, layout, rank)  # asserts its count equals plan.rank_params
         mem = P.stage_memory(config, layout, report.stage, report.num_microbatches)
@@ -107,7 +107,7 @@ def test_dry_run_of_the_trillion_preset_agrees_with_the_planner(capsys):
     args = parser.parse_args(["--dry-run", "--world-size", "512", "--rank", "511"])
     assert run_dry_run(config, args) == 0
     out = capsys.readouterr().out
-    assert "rank 511 of 512" in out and "stage 7, layers 91-103" in out
+    assert "rank 511 of 512" in out and "stage 15, layers 98-103" in out
     assert "experts 224-255" in out and "lm_head.weight" in out
     assert "Nothing was allocated" in out
 

@@ -156,6 +156,12 @@ def routed_rows_per_token(config: RunConfig, ep: int) -> float:
     return min(moe.capacity_factor * moe.top_k, worst)
 
 
+def norm_activation_bytes(a: int, tokens: int, width: int) -> int:
+    """What one RMSNorm saves (moetrain.nn.norm): its input (a bytes each) and the fp32
+    reciprocal RMS of each row."""
+    return a * tokens * width + 4 * tokens
+
+
 def block_activation_bytes(
     config: RunConfig, tokens: int, *, moe: bool, ep: int = 1
 ) -> tuple[int, int, int]:
@@ -166,8 +172,7 @@ def block_activation_bytes(
 
     T tokens, D d_model, q / kv projection widths, N heads, H head dim, E experts, e = E / ep,
     K top-k, R routed rows per token, F expert hidden; a = activation bytes (2 for bf16):
-    - RMSNorm runs in fp32: its fp32 input and output (8 T width), rstd (4 T) and an fp32 copy of
-      its weight; attn_norm, ffn_norm and the qk-norms over q and k.
+    - RMSNorm: `norm_activation_bytes`; attn_norm, ffn_norm and the qk-norms over q and k.
     - attention: norm output (shared by q/k/v), q and k after RoPE, v, the output, a T x D each
       (x width); the log-sum-exp 4 T N; RoPE's cos and sin, a S x H each.
     - router: fp32 logits and softmax 8 T E, z-loss log-sum-exp 4 T, a 4 E count vector.
@@ -183,7 +188,7 @@ def block_activation_bytes(
     qk = m.qk_norm
 
     def norm(width: int) -> int:
-        return 8 * T * width + 4 * T + 4 * width
+        return norm_activation_bytes(a, T, width)
 
     attention = (
         norm(D)
@@ -244,7 +249,7 @@ def stage_activation_bytes(
     elif ckpt != "full":  # the received input; under full it is the first block's kept input
         kept += a * T * D
     if stage == layout.pp - 1:
-        kept += 8 * T * D + 4 * T + 4 * D + a * T * D + b.param * V * D
+        kept += norm_activation_bytes(a, T, D) + a * T * D + b.param * V * D
         recompute = max(recompute, (2 * a + 4) * min(T, LOSS_CHUNK_TOKENS) * V)
     return kept, recompute
 

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 
 from moetrain.nn.attention import Attention
 from moetrain.nn.loss import chunked_linear_cross_entropy
-from moetrain.nn.norm import RMSNorm
+from moetrain.nn.norm import RMSNorm, rms_norm, rms_norm_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope
 
 
@@ -13,6 +13,45 @@ def test_rmsnorm_formula():
     n.weight.data.normal_()
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * n.weight
     torch.testing.assert_close(n(x), expected)
+
+
+def test_rmsnorm_gradients_match_the_reference():
+    """The hand-written backward against autograd of the plain formula: float64 exactly (and
+    gradcheck), bf16 against the fp32-computed reference within bf16 rounding."""
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    n = RMSNorm(16, eps=1e-5).double()
+    n.weight.data.copy_(w.detach())
+    g = torch.randn(3, 5, 16, dtype=torch.float64)
+    n(x).backward(g)
+    grads = x.grad.clone(), n.weight.grad.clone()
+    x.grad = None
+    rms_norm_reference(x, w, 1e-5).backward(g)
+    torch.testing.assert_close(grads[0], x.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[1], w.grad, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-5), (x, w))
+
+    xb = (torch.randn(64, 256) * 3).bfloat16().requires_grad_()
+    nb = RMSNorm(256).bfloat16()
+    nb.weight.data.normal_()
+    gb = torch.randn(64, 256).bfloat16()
+    nb(xb).backward(gb)
+    xr = xb.detach().float().requires_grad_()
+    wr = nb.weight.detach().float().requires_grad_()
+    rms_norm_reference(xr, wr, nb.eps).backward(gb.float())
+    torch.testing.assert_close(xb.grad.float(), xr.grad, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(nb.weight.grad.float(), wr.grad, rtol=2e-2, atol=1e-1)
+
+
+def test_rmsnorm_saves_its_input_and_one_float_per_row():
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    n = RMSNorm(32).bfloat16()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        n(x)
+    nbytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    own = {p.untyped_storage().data_ptr() for p in n.parameters()}
+    assert sum(v for k, v in nbytes.items() if k not in own) == 8 * 32 * 2 + 8 * 4
 
 
 def test_rope_rotates_pairs_and_preserves_norm():
