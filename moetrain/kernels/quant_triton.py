@@ -183,7 +183,10 @@ def _column_cast_kernel(
     offsets = batch.to(tl.int64) * M * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     _store_e4m3(q_ptr, offsets, x * inv[None, :], mask, SOFTWARE_CAST)
-    tl.store(scale_ptr + batch * N + cols, scale, mask=col_mask & (pid_m == 0))
+    # One row block writes the scales. A branch, not `mask=col_mask & (pid_m == 0)`: Triton
+    # 3.9's interpreter types that mask as an integer and refuses it.
+    if pid_m == 0:
+        tl.store(scale_ptr + batch * N + cols, scale, mask=col_mask)
 
 
 @_jit
