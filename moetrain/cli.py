@@ -9,7 +9,6 @@ import sys
 from moetrain.bench.cli import add_bench_parser
 from moetrain.config import RunConfig
 from moetrain.convert.cli import add_convert_parsers
-from moetrain.dry_run import add_dry_run_arguments
 from moetrain.plan import add_plan_parser
 from moetrain.plot import add_plot_parser
 from moetrain.presets import PRESETS, get_preset
@@ -182,7 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    add_dry_run_arguments(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build this rank's model on the meta device, print its shapes and memory, and exit",
+    )
+    p.add_argument("--world-size", type=int, help="dry run: number of GPUs (default pp)")
+    p.add_argument("--rank", type=int, default=0, help="dry run: which rank to show")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="validation loss of a checkpoint")

@@ -208,17 +208,6 @@ def print_dry_run(report: DryRunReport) -> None:
     )
 
 
-def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags for `moetrain train`: --dry-run [--world-size N] [--rank R]."""
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="build this rank's model on the meta device, print its shapes and memory, and exit",
-    )
-    parser.add_argument("--world-size", type=int, help="dry run: number of GPUs (default pp)")
-    parser.add_argument("--rank", type=int, default=0, help="dry run: which rank to show")
-
-
 def run_dry_run(config: RunConfig, args: argparse.Namespace) -> int:
     """`moetrain train --dry-run`: world size from --world-size, else parallel.dp x parallel.pp."""
     world_size = args.world_size or (config.parallel.dp or 1) * config.parallel.pp

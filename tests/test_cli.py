@@ -86,3 +86,16 @@ def test_train_eval_generate(tmp_cache, tmp_path, capsys):
     assert {p.name for p in pngs} >= {"loss.png", "throughput.png", "lr.png", "expert_load.png"}
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_help_does_not_import_torch():
+    """`moetrain --help` and argument errors answer at once: the CLI imports torch only for the
+    command that runs."""
+    import subprocess
+    import sys
+
+    code = "import sys, moetrain.cli; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

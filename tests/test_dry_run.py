@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 from pathlib import Path
 
@@ -10,8 +9,8 @@ import pytest
 import torch
 
 from moetrain import plan as P
+from moetrain.cli import build_parser
 from moetrain.dry_run import (
-    add_dry_run_arguments,
     build_rank_model,
     dry_run,
     layout_from_config,
@@ -102,9 +101,9 @@ def test_dry_run_of_the_trillion_preset_agrees_with_the_planner(capsys):
         mem = P.stage_memory(config, layout, report.stage, report.num_microbatches)
         assert report.param_bytes == mem.params
         assert report.memory == mem
-    parser = argparse.ArgumentParser()
-    add_dry_run_arguments(parser)
-    args = parser.parse_args(["--dry-run", "--world-size", "512", "--rank", "511"])
+    args = build_parser().parse_args(
+        ["train", "--preset", "trillion-1.2t", "--dry-run", "--world-size", "512", "--rank", "511"]
+    )
     assert run_dry_run(config, args) == 0
     out = capsys.readouterr().out
     assert "rank 511 of 512" in out and "stage 15, layers 98-103" in out
