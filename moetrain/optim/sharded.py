@@ -11,8 +11,9 @@ Invariants: buckets are formed once, in a fixed order (the reverse of the parame
 order, so they fill during backward roughly in order), and every collective is launched in that
 bucket order on every rank. Owned shards partition each sync group's parameters, so every element
 of the model is owned by exactly one rank of the data-parallel world. At world size 1 (both groups
-None) a step is the arithmetic of `torch.optim.AdamW` (foreach=False) after
-`torch.nn.utils.clip_grad_norm_` (only the norm's summation order differs).
+None) a step is `torch.optim.AdamW` after `torch.nn.utils.clip_grad_norm_` (only the norm's
+summation order differs): the update of each bucket's shards is torch's fused AdamW kernel, one
+multi-tensor launch per parameter group, on the flat fp32 shards.
 
 The trainer's order per optimizer step:
     for each micro-batch but the last:  with opt.no_sync(): loss.backward()
@@ -230,7 +231,7 @@ class ShardedAdamW:
 
         `skip`: a device bool; where it is true, or the gradient norm is not finite, the step
         changes nothing (parameters, moments, step count), decided on the device without a host
-        sync. Costs a copy of each bucket's state while it updates; None skips nothing.
+        sync (torch's fused AdamW reads it as `found_inf`); None skips nothing.
         """
         lr = self.lr if lr is None else lr
 
@@ -256,37 +257,41 @@ class ShardedAdamW:
         else:
             self.step_count += 1
 
-        # (3) AdamW on each owned fp32 shard, then (4) launch the all-gather of the updated shard
-        #     in the training dtype, so bucket i's gather overlaps bucket i+1's update.
+        # (3) AdamW on each owned fp32 shard with torch's fused kernel (one pass; it divides the
+        #     gradients by grad_scale as it reads them and skips everything when found_inf is
+        #     nonzero, on the device), then (4) launch the all-gather of the updated shard in the
+        #     training dtype, so bucket i's gather overlaps bucket i+1's update.
         beta1, beta2 = self.betas
-        bias_correction1 = 1 - beta1**self.step_count
-        bias_correction2_sqrt = (1 - beta2**self.step_count).sqrt()
+        found_inf = None if skip is None else skip.float()
         gathers = []
         for bucket in self.buckets:
             grad = bucket.grad_shard.to(torch.float32)
-            if bucket.divisor != 1:
-                grad = grad / bucket.divisor
-            if clip is not None:
-                grad = grad * clip
-            state = (bucket.master, bucket.exp_avg, bucket.exp_avg_sq)
-            before = [t.clone() for t in state] if skip is not None else None
-            bucket.exp_avg.lerp_(grad, 1 - beta1)
-            bucket.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (bucket.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            grad_scale = None
+            if bucket.divisor != 1 or clip is not None:  # grad / divisor * clip
+                grad_scale = torch.full((), float(bucket.divisor), device=grad.device)
+                if clip is not None:
+                    grad_scale = grad_scale / clip
+            runs_by_group: dict[int, list[slice]] = {}
             for lo, hi, group_index in bucket.runs:
-                group_lr = lr * self.groups[group_index]["lr_mult"]
-                weight_decay = self.groups[group_index]["weight_decay"]
-                master = bucket.master[lo:hi]
-                if weight_decay:
-                    master.mul_(1 - group_lr * weight_decay)
-                # master += -step_size * exp_avg / denom, rounded as torch's addcdiv_ rounds it;
-                # the step size is a device scalar because the step count is one.
-                master.add_(
-                    bucket.exp_avg[lo:hi].mul(-group_lr / bias_correction1).div_(denom[lo:hi])
+                runs_by_group.setdefault(group_index, []).append(slice(lo, hi))
+            for group_index, runs in runs_by_group.items():  # one multi-tensor launch per group
+                torch._fused_adamw_(
+                    [bucket.master[r] for r in runs],
+                    [grad[r] for r in runs],
+                    [bucket.exp_avg[r] for r in runs],
+                    [bucket.exp_avg_sq[r] for r in runs],
+                    [],
+                    [self.step_count] * len(runs),
+                    lr=lr * self.groups[group_index]["lr_mult"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=self.groups[group_index]["weight_decay"],
+                    eps=self.eps,
+                    amsgrad=False,
+                    maximize=False,
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
                 )
-            if before is not None:
-                for new, old in zip(state, before, strict=True):
-                    new.copy_(torch.where(skip, old, new))
             gathers.append(self._launch_gather(bucket))
 
         # (5) Wait for the gathers: every parameter holds its new value on every rank.
