@@ -24,6 +24,7 @@ import statistics
 
 import torch
 
+from moetrain.bench.timing import time_steps
 from moetrain.kernels.adamw_triton import multi_tensor_adamw_
 from moetrain.model.transformer import Transformer
 from moetrain.presets import small
@@ -46,17 +47,8 @@ def large_shapes(layers: int) -> list[tuple[int, ...]]:
 
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of `fn` (CUDA events, moetrain's benchmark timer)."""
+    return statistics.median(time_steps(fn, warmup, iters, torch.device("cuda")))
 
 
 class Case:

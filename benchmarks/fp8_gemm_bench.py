@@ -18,6 +18,7 @@ import statistics
 
 import torch
 
+from moetrain.bench.timing import time_steps
 from moetrain.kernels import quant, quant_triton
 from moetrain.moe.fp8_gemm import (
     BF16GroupedGemm,
@@ -27,17 +28,8 @@ from moetrain.moe.fp8_gemm import (
 
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of `fn` (CUDA events, moetrain's benchmark timer)."""
+    return statistics.median(time_steps(fn, warmup, iters, torch.device("cuda")))
 
 
 def uneven_offsets(rows: int, experts: int, seed: int) -> torch.Tensor:
