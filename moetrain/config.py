@@ -294,6 +294,13 @@ class RunConfig:
             _fail("parallel.ep", ep, f"must divide moe.num_experts ({num_experts})")
         if self.parallel.dp is not None and self.parallel.dp % ep:
             _fail("parallel.ep", ep, f"must divide parallel.dp ({self.parallel.dp})")
+        if self.train.optimizer == "sharded" and self.train.adamw_kernel == "triton":
+            _fail(
+                "train.adamw_kernel",
+                "triton",
+                "applies to the replicated AdamW; train.optimizer (sharded) updates its flat "
+                "shards with torch's fused AdamW",
+            )
         if self.parallel.pp > self.model.num_layers:
             _fail(
                 "parallel.pp",

@@ -33,6 +33,7 @@ BAD_VALUES = [
     ("train.global_batch_tokens=100", "train.global_batch_tokens"),
     ("data.val_fraction=0", "data.val_fraction"),
     ("precision.experts=fp4", "precision.experts"),
+    ("train.adamw_kernel=cuda", "train.adamw_kernel"),
     ("precision.param_dtype=fp16", "precision.param_dtype"),
 ]
 
@@ -41,6 +42,12 @@ BAD_VALUES = [
 def test_bad_value_names_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         tiny().with_overrides([override])
+
+
+def test_triton_adamw_kernel_is_for_the_replicated_optimizer():
+    with pytest.raises(ValueError, match=r"train\.adamw_kernel.*sharded"):
+        tiny().with_overrides(["train.optimizer=sharded", "train.adamw_kernel=triton"])
+    tiny().with_overrides(["train.optimizer=sharded", "train.adamw_kernel=auto"])  # fine
 
 
 def test_top_k_message():
