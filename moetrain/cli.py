@@ -57,9 +57,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     try:
         summary = trainer.train()
-    except TrainingStopped as exc:
+    except TrainingStopped as exc:  # raised on every rank: they still shut down together
         print(f"error: {exc}", file=sys.stderr)
+        trainer.shutdown()
         return 1
+    trainer.shutdown()
     if trainer.is_main:
         print(json.dumps(summary))
     return 0

@@ -34,7 +34,7 @@ from moetrain.optim.adamw import AdamW
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.data import all_reduce_stats
 from moetrain.parallel.expert import globalize_experts, localize, read_dispatch_stats
-from moetrain.parallel.mesh import ParallelDims, init_distributed
+from moetrain.parallel.mesh import ParallelDims, destroy_distributed, init_distributed
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline
 from moetrain.train import step as train_step
@@ -208,6 +208,14 @@ class Trainer:
             "stopped_early": self.step < t.steps,
             "skipped_steps": self.skipped_total,
         }
+
+    def shutdown(self) -> None:
+        """End of a run on every rank: wait for all, then tear the process groups down. Ranks
+        that exit with live groups can abort in gloo's destructors while a peer still talks
+        (seen as a SIGABRT after the last step under torchrun)."""
+        if dist.is_initialized():
+            dist.barrier()
+            destroy_distributed()
 
     def train_step(self, train_iter) -> torch.Tensor:
         """One optimizer step (also what `moetrain bench` times). Returns the loss on device."""
