@@ -1,13 +1,20 @@
 """Shared test helpers. `run_distributed(fn, world_size, *args)` runs `fn(rank, world_size, *args)`
 in `world_size` real processes joined in a gloo process group (CPU), and re-raises the first
 failure with the failing rank's traceback. `fn` must be a module-level (picklable) function; its
-return value on each rank comes back as a list ordered by rank."""
+return value on each rank comes back as a list ordered by rank.
+
+Triton kernels on CPU: a file marks its interpreter tests `interpreted` and runs them with
+`run_interpreted_tests(__file__)` from one launcher test marked `needs_interpreter`."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +99,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+# Triton's interpreter must be chosen before triton is first imported (its standard library is
+# jitted at import), so the interpreted tests run in a child pytest started with it set.
+INTERPRETER_CHILD = os.environ.get("MOETRAIN_TRITON_INTERPRETER_CHILD") == "1"
+interpreted = pytest.mark.skipif(
+    not INTERPRETER_CHILD, reason="runs in the child started by this file's interpreter test"
+)
+needs_cuda_and_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() and TRITON_INSTALLED), reason="needs a CUDA GPU and Triton"
+)
+needs_interpreter = pytest.mark.skipif(
+    not TRITON_INSTALLED or torch.cuda.is_available() or INTERPRETER_CHILD,
+    reason="needs Triton, no GPU",
+)
+
+
+def run_interpreted_tests(test_file: str, timeout: float = 300) -> None:
+    """Runs the `interpreted` tests of `test_file` in a fresh pytest with TRITON_INTERPRET=1 and
+    asserts that they ran (none skipped) and passed."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", MOETRAIN_TRITON_INTERPRETER_CHILD="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+    result = subprocess.run(
+        [*cmd, "-k", "interpreted"], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]

@@ -4,22 +4,18 @@ on CUDA under `pytest -m gpu`)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import (
+    TRITON_INSTALLED,
+    interpreted,
+    needs_cuda_and_triton,
+    needs_interpreter,
+    run_interpreted_tests,
+)
 
 from moetrain.kernels.adamw_reference import adamw_reference_
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_CUDA = torch.cuda.is_available()
-# Triton's interpreter must be chosen before triton is first imported, so the interpreted tests
-# run in a child pytest started with it set (as in test_quant.py).
-INTERPRETER_CHILD = os.environ.get("MOETRAIN_TRITON_INTERPRETER_CHILD") == "1"
 HYPER = dict(lr=3e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
 TORCH_HYPER = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "masters")
@@ -217,24 +213,10 @@ def check_unaligned_views(device):
     assert_matches(state, ref)
 
 
-interpreted = pytest.mark.skipif(
-    not INTERPRETER_CHILD,
-    reason="runs in the child started by test_adamw_triton_under_interpreter",
-)
-
-
-@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or INTERPRETER_CHILD, reason="needs Triton, no GPU")
+@needs_interpreter
 def test_adamw_triton_under_interpreter():
     """Runs this file's `interpreted` tests in a fresh process with TRITON_INTERPRET=1."""
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", MOETRAIN_TRITON_INTERPRETER_CHILD="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(
-        cmd + ["-k", "interpreted"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    run_interpreted_tests(__file__)
 
 
 @interpreted
@@ -253,15 +235,15 @@ def test_triton_unaligned_views_interpreted():
 def test_triton_module_imports_without_triton():
     from moetrain.kernels import adamw_triton
 
-    assert adamw_triton.triton_available() == HAS_TRITON
+    assert adamw_triton.triton_available() == TRITON_INSTALLED
     x = torch.zeros(4, 4).t()
-    with pytest.raises(ValueError if HAS_TRITON else RuntimeError, match="contiguous|Triton"):
+    with pytest.raises(ValueError if TRITON_INSTALLED else RuntimeError, match="contiguous|Triton"):
         adamw_triton.multi_tensor_adamw_([x], [x], [x], [x], None, torch.ones(()), **HYPER)
 
 
 # --- GPU: the compiled kernel -----------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton")
+gpu = needs_cuda_and_triton
 
 
 @pytest.mark.gpu

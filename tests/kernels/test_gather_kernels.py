@@ -3,14 +3,15 @@ Triton ops against the references on CUDA and, on CPU, through Triton's interpre
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import (
+    TRITON_INSTALLED,
+    interpreted,
+    needs_cuda_and_triton,
+    needs_interpreter,
+    run_interpreted_tests,
+)
 
 from moetrain.kernels import gather
 from moetrain.kernels.gather import (
@@ -20,11 +21,6 @@ from moetrain.kernels.gather import (
     gather_routes_reference,
 )
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_CUDA = torch.cuda.is_available()
-# Triton's interpreter must be chosen before triton is first imported, so the interpreted tests
-# run in a child pytest started with it set (as in test_quant.py).
-INTERPRETER_CHILD = os.environ.get("MOETRAIN_TRITON_INTERPRETER_CHILD") == "1"
 # one bf16 / fp16 ulp relative to the value (the result is rounded once from an fp32 sum)
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 0.0}
 
@@ -188,26 +184,12 @@ def check_triton_ops(T, K, D, dtype, device, seed=0):
     assert torch.equal(torch.autograd.grad(out, y, g)[0], grad_y)
 
 
-interpreted = pytest.mark.skipif(
-    not INTERPRETER_CHILD,
-    reason="runs in the child started by test_triton_gather_under_interpreter",
-)
-
-
-@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or INTERPRETER_CHILD, reason="needs Triton, no GPU")
+@needs_interpreter
 def test_triton_gather_under_interpreter():
     """Runs this file's `interpreted` tests in a fresh process with TRITON_INTERPRET=1. There the
     triton_ops run eagerly on CPU tensors (torch's wrap_triton passes interpreted kernels
     through); their fake/compile path needs a GPU and is covered by the CUDA tests."""
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", MOETRAIN_TRITON_INTERPRETER_CHILD="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(
-        [*cmd, "-k", "interpreted"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    run_interpreted_tests(__file__)
 
 
 @interpreted
@@ -231,12 +213,12 @@ def test_triton_ops_edge_shapes_interpreted(T, K, D, dtype):
 def test_gather_triton_module_imports_without_triton():
     from moetrain.kernels import gather_triton
 
-    assert gather_triton.triton_available() == HAS_TRITON
+    assert gather_triton.triton_available() == TRITON_INSTALLED
 
 
 # --- GPU: the compiled kernels ----------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton")
+gpu = needs_cuda_and_triton
 
 
 @pytest.mark.gpu

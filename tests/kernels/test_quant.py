@@ -4,15 +4,17 @@ installed but no GPU is present; on CUDA under `pytest -m gpu`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    TRITON_INSTALLED,
+    interpreted,
+    needs_cuda_and_triton,
+    needs_interpreter,
+    run_interpreted_tests,
+)
 
 from moetrain.kernels import quant
 from moetrain.kernels.quant import (
@@ -23,11 +25,6 @@ from moetrain.kernels.quant import (
     quantize_mxfp8,
 )
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_CUDA = torch.cuda.is_available()
-# Triton's interpreter must be chosen before triton is first imported (its standard library is
-# jitted at import), so the interpreted tests run in a child pytest started with it set.
-INTERPRETER_CHILD = os.environ.get("MOETRAIN_TRITON_INTERPRETER_CHILD") == "1"
 NAN, INF = float("nan"), float("inf")
 
 
@@ -201,32 +198,10 @@ TRITON_CASES = [
 ]
 
 
-interpreted = pytest.mark.skipif(
-    not INTERPRETER_CHILD,
-    reason="runs in the child started by test_triton_kernels_under_interpreter",
-)
-
-
-@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or INTERPRETER_CHILD, reason="needs Triton, no GPU")
+@needs_interpreter
 def test_triton_kernels_under_interpreter():
     """Runs this file's `interpreted` tests in a fresh process with TRITON_INTERPRET=1."""
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", MOETRAIN_TRITON_INTERPRETER_CHILD="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        __file__,
-        "-k",
-        "interpreted",
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    run_interpreted_tests(__file__, timeout=120)
 
 
 @pytest.fixture
@@ -284,12 +259,12 @@ def test_triton_mxfp8_matches_reference_interpreted(interpreter, dtype):
 def test_triton_module_imports_without_triton():
     from moetrain.kernels import quant_triton
 
-    assert quant_triton.triton_available() == HAS_TRITON
+    assert quant_triton.triton_available() == TRITON_INSTALLED
 
 
 # --- GPU: the compiled kernels ----------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton")
+gpu = needs_cuda_and_triton
 GPU_CASES = [
     ((4096, 2048), -1, torch.bfloat16),
     ((1000, 1000), -1, torch.float32),

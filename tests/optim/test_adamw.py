@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from conftest import needs_cuda_and_triton
 
 from moetrain.optim.adamw import AdamW
 
@@ -106,14 +107,8 @@ def test_bf16_params_update_through_fp32_masters():
         assert torch.equal(p, q.to(torch.bfloat16))
 
 
-def _triton_ready() -> bool:
-    from moetrain.kernels import adamw_triton
-
-    return torch.cuda.is_available() and adamw_triton.triton_available()
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _triton_ready(), reason="needs a CUDA GPU and Triton")
+@needs_cuda_and_triton
 @pytest.mark.parametrize(
     "dtype,masters", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 )
