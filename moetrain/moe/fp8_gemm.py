@@ -117,7 +117,7 @@ class _WeightCache:
         self._entries.clear()
 
 
-def _rowwise_quantizer(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def rowwise_quantizer(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """Triton kernels on a CUDA GPU when Triton is installed, else the torch reference (same bits)."""
     if device.type == "cuda":
         from moetrain.kernels import quant_triton
@@ -198,7 +198,7 @@ class FP8RowwiseGroupedGemm:
         self.use_fast_accum = use_fast_accum
         self.cache_weights = cache_weights
         self.weight_cache = _WeightCache()
-        self.quantize = _rowwise_quantizer(device)
+        self.quantize = rowwise_quantizer(device)
 
     def __call__(
         self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor

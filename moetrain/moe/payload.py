@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from moetrain.kernels import quant
+from moetrain.moe.fp8_gemm import rowwise_quantizer
 
 PAYLOADS = ("bf16", "fp8")
 SCALE_BYTES = 4  # one float32 per row
@@ -26,20 +27,13 @@ def check_payload(payload: str) -> str:
     return payload
 
 
-def _quantizer(device: torch.device):
-    """The Triton row quantizer on a CUDA GPU when Triton is installed, else the torch twin
-    (bit-identical, see kernels/quant_triton.py), which torch.compile fuses with its neighbours."""
-    if device.type == "cuda" and not torch.compiler.is_compiling():
-        from moetrain.kernels import quant_triton
-
-        if quant_triton.triton_available():
-            return quant_triton.quantize_fp8_rowwise_triton
-    return quant.quantize_fp8_rowwise
-
-
 def encode_fp8_rows(x_RD: torch.Tensor) -> torch.Tensor:
     """[R, D] floats -> [R, D + 4] uint8: e4m3 elements, then the row's fp32 scale bytes."""
-    q_RD, scale_R = _quantizer(x_RD.device)(x_RD, dim=-1)
+    # Inside a compiled region the torch twin (bit-identical), which inductor fuses with its
+    # neighbours; eager (the all-to-all runs outside compile) the Triton kernel where available.
+    compiling = torch.compiler.is_compiling()
+    quantize = quant.quantize_fp8_rowwise if compiling else rowwise_quantizer(x_RD.device)
+    q_RD, scale_R = quantize(x_RD, dim=-1)
     scale_bytes = scale_R.float().contiguous().view(torch.uint8).view(-1, SCALE_BYTES)
     return torch.cat([q_RD.view(torch.uint8), scale_bytes], dim=1)
 
