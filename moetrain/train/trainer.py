@@ -300,7 +300,9 @@ class Trainer:
             scalars = torch.stack([values["loss"], values["good"]])
             counts = [s[k] for s in stats for k in ("tokens_per_expert", "dropped") if k in s]
             router = ("lb_loss", "z_loss", "entropy")  # means over the dp ranks, like the loss
-            means_L3 = torch.stack([torch.stack([s[k].float() for k in router]) for s in stats])
+            means_L3 = scalars.new_zeros(len(stats), len(router))  # no rows: an all-dense model
+            for s, row in zip(stats, means_L3, strict=True):
+                row.copy_(torch.stack([s[k] for k in router]))
             all_reduce_stats([scalars, means_L3, *counts], self.dims)
             values["loss"], values["good"] = scalars[0] / self.dims.dp, scalars[1] / self.dims.dp
             for s, row in zip(stats, means_L3 / self.dims.dp, strict=True):

@@ -190,3 +190,20 @@ def test_fresh_start_never_mixes_with_an_earlier_run(tmp_cache, tmp_path):
     )  # fmt: skip
     assert result.returncode != 0 and "--overwrite" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def _train_dense_world2(rank, world_size, run_dir):
+    config = _cfg(
+        "train.steps=2", "train.log_every=1", "train.checkpoint_every=0", "model.num_dense_layers=2"
+    ).with_overrides(["parallel.dp=2"])
+    trainer = Trainer(config, run_dir, device="cpu", progress=False)
+    assert not trainer.model.moe_layers()
+    return trainer.train()["steps"]
+
+
+@pytest.mark.distributed
+def test_data_parallel_logging_of_a_model_without_moe_layers(tmp_cache, tmp_path):
+    """The log-time reduction of router statistics has no rows to reduce: it must not fail."""
+    from conftest import run_distributed
+
+    assert run_distributed(_train_dense_world2, 2, str(tmp_path / "run")) == [2, 2]
