@@ -55,13 +55,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         overwrite=args.overwrite,
     )
+    summary = None
     try:
         summary = trainer.train()
     except TrainingStopped as exc:  # raised on every rank: they still shut down together
         print(f"error: {exc}", file=sys.stderr)
-        trainer.shutdown()
-        return 1
     trainer.shutdown()
+    if summary is None:
+        return 1
     if trainer.is_main:
         print(json.dumps(summary))
     return 0
