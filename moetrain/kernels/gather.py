@@ -52,12 +52,18 @@ def gather_routes_backward_reference(grad_ND: torch.Tensor, inverse_TK: torch.Te
     return grad_ND[inverse_TK].to(_acc_dtype(grad_ND)).sum(1).to(grad_ND.dtype)
 
 
+def weighted_sum_reference(y_TKD: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t, k] * y[t, k, :] of already gathered routes, accumulated in float32 (at least),
+    in y's dtype."""
+    acc = _acc_dtype(y_TKD, weights_TK)
+    return (y_TKD.to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_TKD.dtype)
+
+
 def combine_routes_reference(
     y_ND: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor
 ) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * y[inverse[t, k]], accumulated in float32, in y's dtype."""
-    acc = _acc_dtype(y_ND, weights_TK)
-    return (y_ND[inverse_TK].to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_ND.dtype)
+    return weighted_sum_reference(y_ND[inverse_TK], weights_TK)
 
 
 def combine_routes_backward_reference(

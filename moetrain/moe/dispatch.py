@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moetrain.kernels.gather import combine_routes, gather_routes
+from moetrain.kernels.gather import combine_routes, gather_routes, weighted_sum_reference
 from moetrain.moe.payload import check_payload, fp8_round_trip
 from moetrain.moe.router import RoutingResult
 
@@ -75,8 +75,7 @@ class _WeightedSumOfRoutes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_TKD, weights_TK):  # type: ignore[override]
         ctx.save_for_backward(y_TKD, weights_TK)
-        acc = torch.promote_types(y_TKD.dtype, torch.float32)
-        return (y_TKD.to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(dim=1).to(y_TKD.dtype)
+        return weighted_sum_reference(y_TKD, weights_TK)
 
     @staticmethod
     def backward(ctx, grad_TD):  # type: ignore[override]
