@@ -70,14 +70,13 @@ def load_model_weights(
     the checkpoint and the model are a ValueError listing them."""
     path = resolve_checkpoint(checkpoint)
     manager.verify(path)
-    stored = stored_model_tensors(path)
-    missing = sorted(set(model_state) - set(stored))
-    unexpected = sorted(set(stored) - set(model_state))
-    if missing or unexpected:
+    problem = _key_mismatch(
+        model_state, stored_model_tensors(path), "missing in the checkpoint", "not in the model"
+    )
+    if problem:
         raise ValueError(
             f"checkpoint {path} does not fit this model (is the config the one it was saved "
-            f"with?): {_names('missing in the checkpoint', missing)}"
-            f"{'; ' if missing and unexpected else ''}{_names('not in the model', unexpected)}"
+            f"with?): {problem}"
         )
     return manager.load(path, {"model": dict(model_state)}, check_hashes=False)
 
@@ -139,14 +138,9 @@ def _read_model_state(path: Path, config: RunConfig) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         expected = Transformer(config).state_dict()
     stored = stored_model_tensors(path)
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match its config.yaml: "
-            f"{_names('missing', missing)}{'; ' if missing and unexpected else ''}"
-            f"{_names('unexpected', unexpected)}"
-        )
+    problem = _key_mismatch(expected, stored, "missing", "unexpected")
+    if problem:
+        raise ValueError(f"checkpoint {path} does not match its config.yaml: {problem}")
     model_sd = {}
     for name, meta in expected.items():
         shape, stored_dtype = stored[name]
@@ -335,6 +329,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _key_mismatch(expected, stored, missing_label: str, unexpected_label: str) -> str:
+    """'' when the two key sets agree, else the keys each side lacks, labelled."""
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    separator = "; " if missing and unexpected else ""
+    return f"{_names(missing_label, missing)}{separator}{_names(unexpected_label, unexpected)}"
 
 
 def _names(label: str, names: list[str], limit: int = 8) -> str:
