@@ -77,8 +77,10 @@ def run_bench(args: argparse.Namespace) -> int:
                 + f" (optimizer memory-traffic floor {floor:.1f} ms)"
             )
             if r.phases_ms:
-                extra[f"{name} {opt} phases (ms)"] = ", ".join(
-                    f"{k} {v:.1f}" for k, v in r.phases_ms.items()
+                busy = sum(r.phases_ms.values())
+                extra[f"{name} {opt} phases (ms)"] = (
+                    ", ".join(f"{k} {v:.1f}" for k, v in r.phases_ms.items())
+                    + f"; GPU idle {r.profile['step_ms'] - busy:.1f} of {r.profile['step_ms']:.1f}"
                 )
             print(harness.markdown_table([r]), flush=True)
             torch.cuda.empty_cache() if device.type == "cuda" else None

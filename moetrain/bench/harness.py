@@ -42,6 +42,7 @@ class BenchResult:
     peak_mem_gib: float
     split_ms: dict[str, float] = field(default_factory=dict)
     phases_ms: dict[str, float] = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)  # step_ms under the profiler, top kernels
 
     def row(self) -> list[str]:
         mfu = "-" if self.mfu_datasheet is None else f"{100 * self.mfu_datasheet:.1f}%"
@@ -147,7 +148,9 @@ def bench_moetrain(
         if profile and dev.type == "cuda":
             from moetrain.bench.phases import profile_phases
 
-            result.phases_ms = profile_phases(lambda: trainer.train_step(it))
+            prof = profile_phases(lambda: trainer.train_step(it), top=40)
+            result.phases_ms = prof.pop("phases")
+            result.profile = prof
         trainer.metrics.close()
     return result
 

@@ -8,6 +8,7 @@ unmatched is "other", so the phases always add up to the measured GPU time.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,19 +40,54 @@ def classify(kernel_name: str) -> str:
     return "other"
 
 
-def profile_phases(step: Callable[[], object]) -> dict[str, float]:
-    """Run `step` once under the profiler; GPU milliseconds per phase."""
+def profile_phases(step: Callable[[], object], top: int = 0) -> dict[str, Any]:
+    """Run `step` once under the profiler. Returns GPU milliseconds per phase ("phases"), the
+    step's wall time between two CUDA events ("step_ms"; step_ms minus the phase total is time the
+    GPU sat idle), and the `top` kernels by total time ("kernels": name, phase, calls, ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
         step()
+        end.record()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
+    per_kernel: dict[str, list[float]] = {}
+    spans = []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
+        spans.append((event.time_range.start, event.time_range.end, event.name))
+        ms = event.device_time_total / 1e3
         phase = classify(event.name)
-        totals[phase] = totals.get(phase, 0.0) + event.device_time_total / 1e3
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+        totals[phase] = totals.get(phase, 0.0) + ms
+        calls_ms = per_kernel.setdefault(event.name, [0, 0.0])
+        calls_ms[0] += 1
+        calls_ms[1] += ms
+    kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "phases": dict(sorted(totals.items(), key=lambda kv: -kv[1])),
+        "step_ms": start.elapsed_time(end),
+        "gaps": idle_gaps(spans, top),
+        "kernels": [
+            {"name": name[:160], "phase": classify(name), "calls": int(c), "ms": round(ms, 4)}
+            for name, (c, ms) in kernels
+        ],
+    }
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], top: int) -> list[dict[str, Any]]:
+    """The `top` longest stretches (us) in which no kernel ran, with the kernels around them."""
+    spans = sorted(spans)
+    gaps, busy_until, last = [], None, ""
+    for start, end, name in spans:
+        if busy_until is not None and start > busy_until:
+            gaps.append(
+                {"us": round(start - busy_until, 1), "after": last[:80], "before": name[:80]}
+            )
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, name
+    return sorted(gaps, key=lambda g: -g["us"])[:top]
