@@ -41,6 +41,7 @@ class Block(nn.Module):
             qk_norm=m.qk_norm,
             norm_eps=m.norm_eps,
             rope_theta=m.rope_theta,
+            max_positions=config.train.seq_len,
             backend=m.attention_backend,
         )
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps)

@@ -41,6 +41,7 @@ class Attention(nn.Module):
         qk_norm: bool = True,
         norm_eps: float = 1e-5,
         rope_theta: float = 10_000.0,
+        max_positions: int = 0,
         backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=False)
         self.q_norm = RMSNorm(num_heads * head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps) if qk_norm else None
-        self.rope = RotaryEmbedding(head_dim, rope_theta)
+        self.rope = RotaryEmbedding(head_dim, rope_theta, max_positions)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape

@@ -75,6 +75,20 @@ def test_rope_rotates_pairs_and_preserves_norm():
     )
 
 
+def test_rope_tables_match_fresh_computation_and_survive_meta_build():
+    with torch.device("meta"):
+        rope = RotaryEmbedding(16, theta=500.0, max_positions=12)
+    rope.to_empty(device="cpu")
+    rope.init_weights()  # what Transformer.init_buffers does after to_empty
+    fresh = RotaryEmbedding(16, theta=500.0)  # no tables: computed on the spot
+    for seq_len in (1, 12, 20):  # 20 > max_positions: computed, not cached
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            got, want = rope.cos_sin(seq_len, dtype), fresh.cos_sin(seq_len, dtype)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == dtype and g.shape == (seq_len, 16)
+                assert torch.equal(g, w)
+
+
 def _manual_attention(attn: Attention, x):
     B, S, _ = x.shape
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
