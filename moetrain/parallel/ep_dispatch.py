@@ -27,7 +27,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from moetrain.moe.balance import count_tokens_per_expert
-from moetrain.moe.dispatch import weighted_sum_of_routes
+from moetrain.moe.dispatch import inverse_permutation, sort_routes, weighted_sum_of_routes
 from moetrain.moe.payload import check_payload
 from moetrain.moe.recompute import is_recomputing
 from moetrain.moe.router import RoutingResult
@@ -37,8 +37,7 @@ from moetrain.parallel.comm import all_gather_counts, all_to_all, all_to_all_cou
 def _positions_within_expert(ids_N: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """For each route, how many earlier routes (in token order) chose the same expert. A stable
     sort keeps token order inside each expert; no data-dependent shapes."""
-    order_N = torch.argsort(ids_N, stable=True)
-    sorted_rank_N = torch.argsort(order_N)  # the inverse permutation, without an index_put
+    sorted_rank_N = inverse_permutation(sort_routes(ids_N, counts_E.shape[0]))
     first_E = counts_E.cumsum(0) - counts_E
     return sorted_rank_N - first_E[ids_N]
 
@@ -112,9 +111,9 @@ class AllToAllDispatcher:
         T, K = routing.expert_ids_TK.shape
         ids_N = routing.expert_ids_TK.reshape(-1)
         # 1. Sort routes by global expert: rank d's rows are contiguous, in local-expert order.
-        order_N = torch.argsort(ids_N, stable=True)
+        order_N = sort_routes(ids_N, self.num_experts)
         send_ND = x_TD[order_N // K]
-        inverse_order_N = torch.argsort(order_N)
+        inverse_order_N = inverse_permutation(order_N)
         # 2. Exchange counts: recv_counts_Ge[s, x] = routes from rank s to my local expert x.
         send_counts_E = count_tokens_per_expert(ids_N, self.num_experts)
         recv_counts_Ge = all_to_all_counts(send_counts_E, self.group)

@@ -1,9 +1,20 @@
 import pytest
 import torch
 
-from moetrain.moe.dispatch import LocalDispatcher
+from moetrain.moe.dispatch import LocalDispatcher, inverse_permutation, sort_routes
 from moetrain.moe.experts import GroupedExperts, grouped_mm, grouped_mm_reference
 from moetrain.moe.router import TopKRouter
+
+
+@pytest.mark.parametrize("num_experts", [1, 8, 256, 257, 5000])
+def test_route_sort_is_the_stable_argsort_and_its_inverse(num_experts):
+    """Narrowed keys (uint8, int16) must give the same stable order as the int64 ids."""
+    ids_N = torch.randint(0, num_experts, (3001,))
+    order_N = sort_routes(ids_N, num_experts)
+    assert torch.equal(order_N, torch.argsort(ids_N, stable=True))
+    inverse_N = inverse_permutation(order_N)
+    assert torch.equal(inverse_N[order_N], torch.arange(3001))
+    assert torch.equal(inverse_N, torch.argsort(order_N))
 
 
 def test_dispatch_then_combine_with_identity_experts_is_exact():
