@@ -191,6 +191,8 @@ class TrainConfig:
     optimizer: Literal["adamw", "sharded"] = "adamw"
     # the replicated AdamW's update kernel: auto = Triton on CUDA when installed, else torch's
     adamw_kernel: Literal["auto", "torch", "triton"] = "auto"
+    # replay each training step as one CUDA graph (moetrain.train.graph); None: where supported
+    cuda_graph: bool | None = None
     log_every: int = 10
     eval_every: int = 100  # 0 disables evaluation
     eval_batches: int = 8

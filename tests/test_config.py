@@ -90,3 +90,14 @@ def test_layout_checks():
         cfg.dp_size(1)
     with pytest.raises(ValueError, match="parallel.pp"):
         tiny().with_overrides(["parallel.pp=2"]).dp_size(3)
+
+
+def test_cuda_graph_on_where_it_cannot_run_is_an_error(tmp_path):
+    from moetrain.train.trainer import Trainer
+
+    config = tiny().with_overrides(["data.random_tokens=true", "train.steps=1"])
+    assert (
+        Trainer(config, tmp_path / "a", progress=False).step_graph is None
+    )  # None on CPU: not graphed
+    with pytest.raises(ValueError, match=r"train\.cuda_graph \(true\).*CUDA"):
+        Trainer(config.with_overrides(["train.cuda_graph=true"]), tmp_path / "b", progress=False)

@@ -105,15 +105,17 @@ def _update(
 
 @_jit
 def _adamw_kernel(
-    addr_ptr, chunk_ptr, numel_ptr, n_tensors, step_ptr, grad_scale_ptr, found_inf_ptr,
-    lr_hi, lr_lo, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo,
-    decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+    addr_ptr, chunk_ptr, numel_ptr, n_tensors, step_ptr, grad_scale_ptr, found_inf_ptr, lr_ptr,
+    lr_hi, lr_lo, wd_hi, wd_lo, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo,
+    beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
     PARAM: tl.constexpr, GRAD: tl.constexpr, STATE: tl.constexpr, HAS_MASTER: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, ALIGNED: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
+    ALIGNED: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """addr: int64 (4 or 5, n_tensors) addresses of param, grad, m, v[, master]; chunk: int64
-    (n_chunks, 2) tensor index and first element; numel: int64 (n_tensors,)."""
+    (n_chunks, 2) tensor index and first element; numel: int64 (n_tensors,). The learning rate is
+    the (lr_hi, lr_lo) pair, or with LR_ON_DEVICE the fp64 scalar at lr_ptr (a CUDA graph replays
+    its launch arguments, so a changing learning rate must be read from memory there)."""
     pid = tl.program_id(0).to(tl.int64)
     i = tl.load(chunk_ptr + 2 * pid)
     start = tl.load(chunk_ptr + 2 * pid + 1)
@@ -139,7 +141,12 @@ def _adamw_kernel(
     log2_beta2 = _f64(log2_beta2_hi, log2_beta2_lo)
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2 = 1.0 - tl.exp2(step * log2_beta2)
-    step_size = (_f64(lr_hi, lr_lo) / bc1).to(tl.float32)
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float64)
+    else:
+        lr = _f64(lr_hi, lr_lo)
+    decay = (1.0 - lr * _f64(wd_hi, wd_lo)).to(tl.float32)
+    step_size = (lr / bc1).to(tl.float32)
     bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
     grad_scale = 1.0
     if HAS_GRAD_SCALE:
@@ -174,11 +181,19 @@ def _hi_lo(x: float) -> tuple[float, float]:
     return hi, x - hi
 
 
+_CAPTURED_SOURCES: list[torch.Tensor] = []  # pinned sources of copies inside CUDA graphs
+
+
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host table -> device without a host sync (pinned source, asynchronous copy)."""
+    """Host table -> device without a host sync (pinned source, asynchronous copy). Under CUDA
+    graph capture the copy becomes a graph node that re-reads its source at every replay, so the
+    pinned source is kept alive for the life of the process."""
     if device.type != "cuda":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    pinned = t.pin_memory()
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED_SOURCES.append(pinned)
+    return pinned.to(device, non_blocking=True)
 
 
 def _layout(numels: tuple[int, ...], block: int, device: torch.device):
@@ -220,7 +235,7 @@ def multi_tensor_adamw_(
     masters: list[torch.Tensor] | None,
     step: torch.Tensor,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     weight_decay: float,
     beta1: float,
     beta2: float,
@@ -237,6 +252,7 @@ def multi_tensor_adamw_(
     `masters` the fp32 masters carry the update and params get their rounded copies. All tensors:
     contiguous, on one CUDA device (CPU under TRITON_INTERPRET=1), one dtype per list.
     `block` (elements per program) defaults to 16 bytes of each state tensor per thread.
+    `lr` may be an fp64 scalar tensor on the device, read by the kernel (CUDA graph capture).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed: use moetrain.kernels.adamw_reference instead")
@@ -259,6 +275,9 @@ def multi_tensor_adamw_(
         )
     for name, t in (("step", step), ("grad_scale", grad_scale), ("found_inf", found_inf)):
         _check_scalar(t, name, device)
+    lr_on_device = isinstance(lr, torch.Tensor)
+    if lr_on_device and (lr.dtype != torch.float64 or lr.numel() != 1 or lr.device != device):
+        raise ValueError(f"multi_tensor_adamw_: a tensor lr must be a float64 scalar on {device}")
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"multi_tensor_adamw_: betas must be in [0, 1): {beta1}, {beta2}")
     param_dtype = _common_dtype(params, "params", _PARAM_DTYPES)
@@ -277,16 +296,18 @@ def multi_tensor_adamw_(
     addrs = [[t.data_ptr() for t in x] for x in lists]
     aligned = all(a % 16 == 0 for row in addrs for a in row)
     addr_rn = _upload(torch.tensor(addrs, dtype=torch.int64), device)
-    lr_hi, lr_lo = _hi_lo(lr)
+    lr_hi, lr_lo = (0.0, 0.0) if lr_on_device else _hi_lo(lr)
+    wd_hi, wd_lo = _hi_lo(weight_decay)
     b1_hi, b1_lo = _hi_lo(math.log2(beta1) if beta1 > 0 else -math.inf)
     b2_hi, b2_lo = _hi_lo(math.log2(beta2) if beta2 > 0 else -math.inf)
     tl_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
     _adamw_kernel[(n_chunks,)](
         addr_rn, chunk_c2, numel_n, len(params), step, grad_scale, found_inf,
-        lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo,
-        1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+        lr if lr_on_device else None, lr_hi, lr_lo, wd_hi, wd_lo, b1_hi, b1_lo, b2_hi, b2_lo,
+        beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
         PARAM=tl_dtype[param_dtype], GRAD=tl_dtype[grad_dtype], STATE=tl_dtype[state_dtype],
         HAS_MASTER=masters is not None, HAS_GRAD_SCALE=grad_scale is not None,
-        HAS_FOUND_INF=found_inf is not None, ALIGNED=aligned, SOFTWARE_ROUND=device.type != "cuda",
+        HAS_FOUND_INF=found_inf is not None, LR_ON_DEVICE=lr_on_device, ALIGNED=aligned,
+        SOFTWARE_ROUND=device.type != "cuda",
         BLOCK=block, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip

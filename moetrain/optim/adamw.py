@@ -92,10 +92,14 @@ class AdamW:
             self.grad_sync.finish()
 
     def step(
-        self, lr: float, max_grad_norm: float = 0.0, skip: torch.Tensor | None = None
+        self,
+        lr: float | torch.Tensor,
+        max_grad_norm: float = 0.0,
+        skip: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Clip (max_grad_norm > 0), then update unless `skip` or the norm is not finite.
-        Returns the gradient norm before clipping, on the device."""
+        Returns the gradient norm before clipping, on the device. `lr` may be an fp64 device
+        scalar (a CUDA-graphed step; the Triton kernel reads it there)."""
         grad_norm = self.norm_fn()
         bad = ~torch.isfinite(grad_norm)
         skip = bad if skip is None else skip | bad
@@ -103,12 +107,19 @@ class AdamW:
         self._update(lr, skip, clip)
         return grad_norm
 
-    def _update(self, lr: float, skip: torch.Tensor, clip: torch.Tensor | None) -> None:
+    def _update(
+        self, lr: float | torch.Tensor, skip: torch.Tensor, clip: torch.Tensor | None
+    ) -> None:
         for group in self.opt.param_groups:
             group["lr"] = lr * group["lr_mult"]
         if self.kernel == "triton" and all(p.grad is not None for p in self.params):
             self._triton_update(skip, clip)
             return
+        if isinstance(lr, torch.Tensor):
+            raise RuntimeError(
+                "AdamW: a device learning rate (a CUDA-graphed step) needs the Triton kernel with "
+                "a gradient for every parameter; set train.cuda_graph=off"
+            )
         if self.kernel == "triton":  # a parameter without a gradient: torch's semantics from now on
             warnings.warn(
                 "AdamW: a parameter has no gradient; the Triton kernel needs every one, "

@@ -44,6 +44,7 @@ from moetrain.train.build import (
     claim_run_dir,
     resolve_param_dtype,
 )
+from moetrain.train.graph import StepGraph
 from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory_gib
 from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
 from moetrain.train.spike import LossSpikeDetector
@@ -114,6 +115,7 @@ class Trainer:
         self._bad_run = torch.zeros((), device=self.device)
         self._acc = self._new_accumulators()
         self.phase_events: list | None = None
+        self.step_graph = self._build_step_graph()
         self._control_group = dist.new_group(backend="gloo") if self.dims.world_size > 1 else None
 
         self.resumed_from: Path | None = None
@@ -134,6 +136,16 @@ class Trainer:
         self.metrics = MetricsSink(self.run_dir, enabled=self.is_main)
         self.throughput = Throughput(flops_per_token(config), self.device)
         self.gaming = TokenGamingDetector()
+
+    def _build_step_graph(self) -> StepGraph | None:
+        choice = self.config.train.cuda_graph
+        kernel = getattr(self.optimizer, "kernel", "torch")
+        reason = StepGraph.unsupported_reason(self.config, self.dims, self.device, kernel)
+        if choice is False or (choice is None and reason is not None):
+            return None
+        if reason is not None:
+            raise ValueError(f"train.cuda_graph (true): cannot graph this run: {reason}")
+        return StepGraph(self._device_step, self.accum_steps, self.device, strict=choice is True)
 
     def _materialize(self, model: Transformer) -> None:
         model.to_empty(device=self.device)
@@ -218,7 +230,20 @@ class Trainer:
             destroy_distributed()
 
     def train_step(self, train_iter) -> torch.Tensor:
-        """One optimizer step (also what `moetrain bench` times). Returns the loss on device."""
+        """One optimizer step (also what `moetrain bench` times). Returns the loss on device.
+        Replayed as a CUDA graph where supported, except while benchmarks split it into phases."""
+        lr = lr_at(self.step, self.config.train)
+        if self.step_graph is not None and self.phase_events is None:
+            loss = self.step_graph.run(train_iter, lr)
+        else:
+            loss = self._device_step(train_iter, lr)
+        self.step += 1
+        self.throughput.add_tokens(self.tokens_per_step)
+        return loss
+
+    def _device_step(self, train_iter, lr: float | torch.Tensor) -> torch.Tensor:
+        """The step's device work: nothing here reads a device value on the host, so it can be
+        captured as a CUDA graph (moetrain.train.graph)."""
         t, acc = self.config.train, self._acc
         self._mark_phase(0)
         if self.pipeline is not None:  # the same loss on every stage
@@ -234,7 +259,7 @@ class Trainer:
             batch_loss = all_reduce_stats([loss.clone()], self.dims)[0] / self.dims.dp
             spike = self.spikes.is_spike(batch_loss)
             skip = skip | spike
-        grad_norm = self.optimizer.step(lr_at(self.step, t), t.grad_clip, skip=skip)
+        grad_norm = self.optimizer.step(lr, t.grad_clip, skip=skip)
         applied = ~skip & torch.isfinite(grad_norm)
         if self.spikes is not None:
             self.spikes.record(batch_loss, applied)
@@ -250,8 +275,6 @@ class Trainer:
             # consecutive skipped steps, and the longest such run since the last log
             self._bad_run.copy_((self._bad_run + 1) * (~applied).float())
             acc["max_bad_run"].copy_(torch.maximum(acc["max_bad_run"], self._bad_run))
-        self.step += 1
-        self.throughput.add_tokens(self.tokens_per_step)
         return loss
 
     def _mark_phase(self, index: int) -> None:
@@ -284,8 +307,9 @@ class Trainer:
     # ------------------------------------------------------------------ logging and eval
     def _log(self) -> float | None:
         t, acc = self.config.train, self._acc
-        self._acc = self._new_accumulators()
-        values = {k: v for k, v in acc.items()}
+        values = {k: v.clone() for k, v in acc.items()}
+        for v in acc.values():  # zeroed in place: a captured step graph adds into these tensors
+            v.zero_()
         stats = [layer.read_stats() for layer in self.model.moe_layers()]
         dispatch = read_dispatch_stats(self.model)
         utilization = {}  # receive-buffer rows used / allocated (NoSync), this rank's value
@@ -421,6 +445,7 @@ class Trainer:
         self.train_loader.load_state_dict(trainer_state["train_loader"])
         for layer in self.model.moe_layers():
             layer.router.draws = trainer_state.get("routing_draws", 0)
+        self.step_graph = self._build_step_graph()  # a captured graph would hold replaced tensors
 
     def load_weights(self, path: str | Path) -> None:
         """Model weights only (e.g. an imported Hugging Face model), for a fresh run."""

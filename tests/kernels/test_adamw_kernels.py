@@ -179,7 +179,7 @@ OPTIONS = {  # name: (grad_scale, found_inf)
 }
 
 
-def check_triton_against_reference(signature, option, block, device, seed=6):
+def check_triton_against_reference(signature, option, block, device, seed=6, lr_on_device=False):
     from moetrain.kernels.adamw_triton import multi_tensor_adamw_
 
     state = make_state(SHAPES, signature, seed, device)
@@ -191,10 +191,11 @@ def check_triton_against_reference(signature, option, block, device, seed=6):
     if found is not None:
         extra["found_inf"] = torch.tensor(found, device=device)
     before = clone(state)
-    for step in (1.0, 7.0):  # two calls: the state evolves, the step count comes from the device
+    for step, lr in ((1.0, 3e-3), (7.0, 1.7e-4)):  # the state evolves; step count from the device
         step_t = torch.tensor(step, device=device)
-        call(multi_tensor_adamw_, state, step_t, block=block, **extra)
-        call(adamw_reference_, ref, step_t, **extra)
+        kernel_lr = torch.tensor(lr, dtype=torch.float64, device=device) if lr_on_device else lr
+        call(multi_tensor_adamw_, state, step_t, block=block, lr=kernel_lr, **extra)
+        call(adamw_reference_, ref, step_t, lr=lr, **extra)
     assert_matches(state, ref)
     if found:
         assert_same_bits(state, before)
@@ -228,6 +229,13 @@ def test_triton_matches_reference_interpreted(signature, option, block):
 
 
 @interpreted
+@pytest.mark.parametrize("signature", list(SIGNATURES))
+def test_triton_reads_a_device_learning_rate_interpreted(signature):
+    """The CUDA-graph path: the learning rate is an fp64 scalar the kernel loads."""
+    check_triton_against_reference(signature, "grad_scale", None, "cpu", lr_on_device=True)
+
+
+@interpreted
 def test_triton_unaligned_views_interpreted():
     check_unaligned_views("cpu")
 
@@ -253,6 +261,13 @@ gpu = needs_cuda_and_triton
 @pytest.mark.parametrize("signature", list(SIGNATURES))
 def test_triton_matches_reference_cuda(signature, option, block):
     check_triton_against_reference(signature, option, block, "cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("signature", list(SIGNATURES))
+def test_triton_reads_a_device_learning_rate_cuda(signature):
+    check_triton_against_reference(signature, "grad_scale", None, "cuda", lr_on_device=True)
 
 
 @pytest.mark.gpu
