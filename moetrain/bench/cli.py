@@ -75,6 +75,7 @@ def run_bench(args: argparse.Namespace) -> int:
             extra[f"{name} {opt} split"] = (
                 ", ".join(f"{k} {v:.1f}" for k, v in r.split_ms.items())
                 + f" (optimizer memory-traffic floor {floor:.1f} ms)"
+                + ("; timed steps: CUDA graph replays, split: eager" if r.cuda_graph else "")
             )
             if r.phases_ms:
                 busy = sum(r.phases_ms.values())

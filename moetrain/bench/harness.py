@@ -43,6 +43,7 @@ class BenchResult:
     split_ms: dict[str, float] = field(default_factory=dict)
     phases_ms: dict[str, float] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)  # step_ms under the profiler, top kernels
+    cuda_graph: bool = False  # the timed steps were replays of a captured CUDA graph
 
     def row(self) -> list[str]:
         mfu = "-" if self.mfu_datasheet is None else f"{100 * self.mfu_datasheet:.1f}%"
@@ -144,6 +145,8 @@ def bench_moetrain(
         it = iter(trainer.train_loader)
         times = time_steps(lambda: trainer.train_step(it), warmup, steps, dev)
         result = _result("moetrain", config, routing, optimizer, times, dev, mm_tflops)
+        graph = trainer.step_graph
+        result.cuda_graph = graph is not None and graph.graph is not None
         result.split_ms = split_step(trainer, it, dev)
         if profile and dev.type == "cuda":
             from moetrain.bench.phases import profile_phases
@@ -156,7 +159,8 @@ def bench_moetrain(
 
 
 def split_step(trainer, it, device: torch.device, repeats: int = 3) -> dict[str, float]:
-    """Forward+backward vs gradient clip + optimizer, in ms (median over `repeats` steps)."""
+    """Forward+backward vs gradient clip + optimizer, in ms (median over `repeats` steps). The
+    phase events need the eager step, so a graphed trainer runs these steps eagerly."""
     if device.type != "cuda":
         return {}
     fb, opt = [], []

@@ -1,0 +1,41 @@
+"""`moetrain bench` on CPU (smoke: it times real training steps and writes what it reports) and
+the profiler post-processing (pure functions)."""
+
+import json
+
+from moetrain.bench.phases import classify, idle_gaps
+from moetrain.cli import main
+
+
+def test_bench_on_cpu_times_real_steps_and_writes_json_and_markdown(tmp_path, capsys):
+    out, md = tmp_path / "r.json", tmp_path / "RESULTS.md"
+    args = ["bench", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--optimizer", "mixed"]
+    assert main([*args, "--json", str(out), "--results-md", str(md)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert result["system"] == "moetrain" and result["preset"] == "tiny"
+    assert len(result["times_ms"]) == 2 and all(t > 0 for t in result["times_ms"])
+    tokens = result["tokens_per_step"]
+    assert (
+        abs(result["tokens_per_s"] - tokens / (result["stats"]["median_ms"] / 1e3)) < 1e-6 * tokens
+    )
+    assert result["cuda_graph"] is False  # CPU: never graphed
+    assert "| moetrain | tiny | learned | mixed |" in md.read_text()
+    assert "no GPU" in capsys.readouterr().err
+
+
+def test_idle_gaps_are_the_stretches_no_kernel_covers():
+    spans = [(0, 10, "a"), (5, 12, "b"), (20, 30, "c"), (31, 40, "d"), (32, 35, "e")]
+    gaps = idle_gaps(spans, top=5)
+    assert gaps == [
+        {"us": 8, "after": "b", "before": "c"},
+        {"us": 1, "after": "c", "before": "d"},
+    ]
+    assert idle_gaps(spans, top=1) == gaps[:1]
+
+
+def test_kernel_names_map_to_phases():
+    assert classify("_adamw_kernel") == "optimizer"
+    assert classify("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert classify("_spread_routes_kernel") == "dispatch/combine (sort, gather, scatter)"
+    assert classify("nvjet_sm90_tst_256x128_64x4") == "dense GEMMs (projections, router, LM head)"
+    assert classify("something_new") == "other"
