@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moetrain.kernels.topk import route_topk
 from moetrain.moe import balance
 from moetrain.moe.recompute import is_recomputing
 
@@ -71,17 +72,16 @@ class TopKRouter(nn.Module):
             noise_TE = torch.rand(
                 logits_TE.shape, device=x_TD.device, generator=self._draw_rng(x_TD)
             )
-            expert_ids_TK = noise_TE.topk(self.top_k, dim=-1).indices
+            expert_ids_TK, tokens_per_expert_E = route_topk(noise_TE, self.top_k)
         else:
             selection_TE = scores_TE.detach()
             if self.expert_bias_E is not None:
                 selection_TE = selection_TE + self.expert_bias_E
-            expert_ids_TK = selection_TE.topk(self.top_k, dim=-1).indices
+            expert_ids_TK, tokens_per_expert_E = route_topk(selection_TE, self.top_k)
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
 
-        tokens_per_expert_E = balance.count_tokens_per_expert(expert_ids_TK, self.num_experts)
         return RoutingResult(
             expert_ids_TK=expert_ids_TK,
             weights_TK=weights_TK,

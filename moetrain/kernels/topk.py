@@ -1,0 +1,94 @@
+"""The router's expert choice: top-k experts per token and routes per expert, in one Triton pass.
+
+Letters: T tokens, E experts, K top-k. `route_topk(scores_TE, k)` returns `ids_TK` (int64, each
+token's K highest-scoring experts, highest first, as `torch.topk`) and `counts_E` (int64, how
+many of the T*K routes chose each expert). The reference is `torch.topk` plus a scatter-add.
+
+Why a kernel: torch's top-k for (16384, 64) fp32 rows took 59 us a layer on an H200 (plus a
+bitonic sort and a 41 us int64 scatter-add into 64 contended counters), for 4 MB of input: a
+tenth of that at memory speed. Here each program holds BLOCK_T whole rows of scores, takes K
+arg-maxes (masking each winner), and adds its own per-expert tally to the counts with one atomic
+per expert; integer atomics are exact in any order, so the counts are deterministic. Ties go to
+the lower expert index (torch's order for ties is unspecified).
+
+On CUDA with Triton the op is `moetrain::route_topk` (`torch.library.triton_op`: traced by
+`torch.compile(fullgraph=True)` without a graph break); elsewhere the reference runs. Neither
+output has a gradient (the router's weights are gathered from the scores afterwards, in torch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.kernels.triton_support import interpreting as _interpreting
+from moetrain.kernels.triton_support import jit as _jit
+from moetrain.kernels.triton_support import tl, triton
+
+MAX_EXPERTS = 1024  # whole rows live in registers; more experts take the reference
+
+
+def route_topk_reference(scores_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids_TK = scores_TE.topk(k, dim=-1).indices
+    flat = ids_TK.reshape(-1)
+    counts_E = torch.zeros(scores_TE.shape[1], dtype=torch.int64, device=flat.device)
+    return ids_TK, counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+@_jit
+def _route_topk_kernel(
+    scores_ptr, ids_ptr, counts_ptr, T, E,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    token_ok = tokens < T
+    mask = token_ok[:, None] & (experts[None, :] < E)
+    offs = tokens.to(tl.int64)[:, None] * E + experts[None, :]
+    s = tl.load(scores_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    tally = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for k in tl.static_range(K):
+        best = tl.argmax(s, axis=1)  # first index among equal maxima
+        tl.store(ids_ptr + tokens.to(tl.int64) * K + k, best.to(tl.int64), mask=token_ok)
+        won = (experts[None, :] == best[:, None]) & token_ok[:, None]
+        tally += tl.sum(won.to(tl.int32), axis=0)
+        s = tl.where(won, float("-inf"), s)
+    tl.atomic_add(counts_ptr + experts, tally, mask=(experts < E) & (tally > 0))
+
+
+def _launch(scores_TE: torch.Tensor, k: int, ids_TK, counts32_E, wrap=None) -> None:
+    T, E = scores_TE.shape
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(64, 4096 // block_e))
+    kernel = wrap(_route_topk_kernel) if wrap else _route_topk_kernel
+    kernel[(triton.cdiv(T, block_t),)](
+        scores_TE, ids_TK, counts32_E, T, E, K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4
+    )
+
+
+def _register_op() -> None:
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("moetrain::route_topk", mutates_args=())
+    def route_topk_op(scores_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scores_TE = scores_TE.contiguous()
+        T, E = scores_TE.shape
+        ids_TK = scores_TE.new_empty((T, k), dtype=torch.int64)
+        counts32_E = scores_TE.new_zeros((E,), dtype=torch.int32)
+        if T:
+            _launch(scores_TE, k, ids_TK, counts32_E, wrap=wrap_triton)
+        return ids_TK, counts32_E.to(torch.int64)
+
+
+if triton is not None:
+    _register_op()
+
+
+def route_topk(scores_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_TK, counts_E) as described above; `scores_TE` is detached first (no gradient)."""
+    T, E = scores_TE.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"route_topk: k must be in [1, {E}], got {k}")
+    fast = triton is not None and E <= MAX_EXPERTS and scores_TE.dtype == torch.float32
+    if fast and (scores_TE.is_cuda or _interpreting()):
+        return torch.ops.moetrain.route_topk(scores_TE.detach(), k)
+    return route_topk_reference(scores_TE.detach(), k)
