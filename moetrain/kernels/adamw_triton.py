@@ -43,14 +43,13 @@ import struct
 
 import torch
 
+from moetrain.kernels.multi_tensor import chunk_layout, upload
 from moetrain.kernels.triton_support import interpreting as _interpreting
 from moetrain.kernels.triton_support import jit as _jit
 from moetrain.kernels.triton_support import tl, triton
 from moetrain.kernels.triton_support import triton_available as triton_available
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
-_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
-_MAX_LAYOUTS = 64
 
 
 # --- kernel ------------------------------------------------------------------------------------
@@ -181,40 +180,6 @@ def _hi_lo(x: float) -> tuple[float, float]:
     return hi, x - hi
 
 
-_CAPTURED_SOURCES: list[torch.Tensor] = []  # pinned sources of copies inside CUDA graphs
-
-
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host table -> device without a host sync (pinned source, asynchronous copy). Under CUDA
-    graph capture the copy becomes a graph node that re-reads its source at every replay, so the
-    pinned source is kept alive for the life of the process."""
-    if device.type != "cuda":
-        return t
-    pinned = t.pin_memory()
-    if torch.cuda.is_current_stream_capturing():
-        _CAPTURED_SOURCES.append(pinned)
-    return pinned.to(device, non_blocking=True)
-
-
-def _layout(numels: tuple[int, ...], block: int, device: torch.device):
-    """(chunk table (n_chunks, 2), numels (n,), n_chunks), cached by numels, BLOCK and device."""
-    key = (device, block, numels)
-    hit = _LAYOUTS.get(key)
-    if hit is None:
-        numel_n = torch.tensor(numels, dtype=torch.int64)
-        chunks_n = (numel_n + block - 1) // block
-        tensor_c = torch.repeat_interleave(torch.arange(len(numels)), chunks_n)
-        first_chunk_n = torch.cumsum(chunks_n, 0) - chunks_n
-        n_chunks = int(chunks_n.sum())
-        start_c = (torch.arange(n_chunks) - first_chunk_n[tensor_c]) * block
-        chunk_c2 = torch.stack([tensor_c, start_c], dim=1)
-        hit = (_upload(chunk_c2, device), _upload(numel_n, device), n_chunks)
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = hit
-    return hit
-
-
 def _common_dtype(tensors: list[torch.Tensor], what: str, allowed) -> torch.dtype:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1 or next(iter(dtypes)) not in allowed:
@@ -290,12 +255,12 @@ def multi_tensor_adamw_(
     if block & (block - 1) or block < 16:
         raise ValueError(f"multi_tensor_adamw_: block {block} must be a power of two >= 16")
 
-    chunk_c2, numel_n, n_chunks = _layout(tuple(p.numel() for p in params), block, device)
+    chunk_c2, numel_n, n_chunks = chunk_layout(tuple(p.numel() for p in params), block, device)
     if n_chunks == 0:
         return
     addrs = [[t.data_ptr() for t in x] for x in lists]
     aligned = all(a % 16 == 0 for row in addrs for a in row)
-    addr_rn = _upload(torch.tensor(addrs, dtype=torch.int64), device)
+    addr_rn = upload(torch.tensor(addrs, dtype=torch.int64), device)
     lr_hi, lr_lo = (0.0, 0.0) if lr_on_device else _hi_lo(lr)
     wd_hi, wd_lo = _hi_lo(weight_decay)
     b1_hi, b1_lo = _hi_lo(math.log2(beta1) if beta1 > 0 else -math.inf)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from moetrain.kernels import sum_of_squares_triton
+
 EXPERT = "expert"
 
 
@@ -32,9 +34,12 @@ def params_with_kinds(param_groups: Sequence[dict[str, Any]]) -> list[tuple[torc
 
 
 def sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared elements over `tensors`, as an fp32 scalar on `device` (0 when empty)."""
+    """Sum of squared elements over `tensors`, as an fp32 scalar on `device` (0 when empty).
+    One Triton launch on GPU (moetrain.kernels.sum_of_squares_triton), foreach norms elsewhere."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
+    if tensors[0].is_cuda and sum_of_squares_triton.supports(list(tensors)):
+        return sum_of_squares_triton.multi_tensor_sum_of_squares(list(tensors))
     norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
     return torch.stack(norms).square().sum()
 
