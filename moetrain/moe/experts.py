@@ -2,7 +2,7 @@
 
 Letters: N rows (grouped by expert), D model dim, F expert hidden, e local experts.
     h_N2F = rows_ND @ w_up_eD2F[expert of row]      (gate and up fused: [gate | up])
-    y_ND  = (silu(gate) * up)_NF @ w_down_eFD[expert of row]
+    y_ND  = swiglu(h_N2F) @ w_down_eFD[expert of row]  (silu(gate) * up, moetrain.kernels.swiglu)
 Both products are one `torch._grouped_mm` each, driven by device-side offsets. The GEMM is a
 swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); `grouped_mm_reference` is the
 obvious loop over experts that tests compare against. Weights are indexed by global expert id
@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moetrain.kernels.swiglu import swiglu
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 _GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,5 +55,4 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows_ND: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
         h_N2F = self.gemm(rows_ND, self.w_up_eD2F, offsets_e)
-        gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
-        return self.gemm(F.silu(gate_NF) * up_NF, self.w_down_eFD, offsets_e)
+        return self.gemm(swiglu(h_N2F), self.w_down_eFD, offsets_e)

@@ -1,0 +1,69 @@
+"""SwiGLU of the fused expert projection, with plain-torch references.
+
+F hidden size; h_N2F holds [gate | up] on its last dim (gate = h[:, :F], up = h[:, F:]):
+
+    out_NF = silu(gate) * up                                   # swiglu(h_N2F)
+    dgate = grad * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate)
+    dup   = grad * gate * s                                    # grad_h = [dgate | dup]
+
+Math in float32 (float64 for float64 inputs), rounded once to h's dtype. On CUDA with Triton
+installed `swiglu` runs the Triton op of `swiglu_triton` (one pass over each (row, column) in
+both directions; no graph break under `torch.compile(fullgraph=True)`); elsewhere an autograd
+Function of the two references. Both paths save h alone for the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.kernels import swiglu_triton
+
+
+def _halves(h_N2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up in float32, or float64 for float64 inputs."""
+    acc = torch.promote_types(h_N2F.dtype, torch.float32)
+    return h_N2F.to(acc).chunk(2, dim=-1)
+
+
+def swiglu_reference(h_N2F: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, (N, F), in h's dtype."""
+    gate_NF, up_NF = _halves(h_N2F)
+    return (F.silu(gate_NF) * up_NF).to(h_N2F.dtype)
+
+
+def swiglu_backward_reference(h_N2F: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
+    """[dgate | dup], (N, 2F), in h's dtype."""
+    gate_NF, up_NF = _halves(h_N2F)
+    grad_NF = grad_NF.to(gate_NF.dtype)
+    s_NF = torch.sigmoid(gate_NF)
+    dgate_NF = grad_NF * up_NF * s_NF * (1 + gate_NF * (1 - s_NF))
+    dup_NF = grad_NF * gate_NF * s_NF
+    return torch.cat([dgate_NF, dup_NF], dim=-1).to(h_N2F.dtype)
+
+
+class _SwiGLUReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_N2F):  # type: ignore[override]
+        ctx.save_for_backward(h_N2F)
+        return swiglu_reference(h_N2F)
+
+    @staticmethod
+    def backward(ctx, grad_NF):  # type: ignore[override]
+        (h_N2F,) = ctx.saved_tensors
+        return swiglu_backward_reference(h_N2F, grad_NF)
+
+
+def _check(h_N2F: torch.Tensor) -> None:
+    if h_N2F.dim() != 2 or h_N2F.shape[1] % 2:
+        raise ValueError(f"swiglu: h must be 2-D (N, 2F) with an even last dim, got {tuple(h_N2F.shape)}")  # fmt: skip
+    if h_N2F.shape[1] > 1 and h_N2F.stride(1) != 1:
+        raise ValueError(f"swiglu: h must be contiguous in its last dim, got strides {h_N2F.stride()}")  # fmt: skip
+
+
+def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h_N2F = [gate | up], (N, F), differentiable in h."""
+    _check(h_N2F)
+    if h_N2F.is_cuda and swiglu_triton.supports(h_N2F):
+        return swiglu_triton.swiglu_triton(h_N2F)
+    return _SwiGLUReference.apply(h_N2F)

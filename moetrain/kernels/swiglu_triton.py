@@ -1,0 +1,163 @@
+"""Triton kernels for the experts' SwiGLU, as `torch.library.triton_op`s (formulas and plain-torch
+references: `moetrain.kernels.swiglu`).
+
+h_N2F = [gate | up] on the last dim. The forward reads gate[n, j] and up[n, j] and writes
+out[n, j]; the backward reads gate, up and grad at (n, j) and writes dgate and dup there: each
+element is touched once, in fp32, rounded once at the store. Inductor's backward of
+`silu(gate) * up` instead writes the (N, 2F) gradient as a `cat` whose every element re-loads
+inputs of both halves (about 59% of bandwidth on an H200 at N = 131072, F = 512, bf16).
+
+Each program takes a 2-D tile of BLOCK_N rows x BLOCK_F columns (the whole row up to 512
+columns, 4096 elements per tile, four warps): columns are contiguous, so with F and the row
+strides multiples of 16 (Triton specializes on it) every load and store is a 16-byte vector
+access, and no per-element division by F is needed to find a row (as a flat 1-D index over N*F
+would). Column tails (F not a multiple of BLOCK_F) are masked; row offsets are int64 (N*2F can
+exceed 2^31). Expected: ~90% of memory bandwidth in both directions (a pure streaming kernel; not
+yet measured: `benchmarks/swiglu_bench.py` does, and `--sweep` times other tiles). exp and the
+division are CUDA's fast approximations (a few fp32 ulps), so results can differ from the
+references by one ulp of the output dtype. Registered like `gather_triton`: `triton_op` + `wrap_triton`, so
+`torch.compile(fullgraph=True)` traces the ops without a graph break; autograd through
+`register_autograd`, saving h alone. Without Triton the module imports and registers nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.kernels.triton_support import interpreting as _interpreting
+from moetrain.kernels.triton_support import jit as _jit
+from moetrain.kernels.triton_support import tl, triton
+from moetrain.kernels.triton_support import triton_available as triton_available
+
+MAX_BLOCK_F = 512  # widest column block of one program; wider rows take several programs
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@_jit
+def _swiglu_forward_kernel(
+    h_ptr, out_ptr, N, F, stride_h,
+    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr,
+):  # fmt: skip
+    """out[n, j] = silu(h[n, j]) * h[n, F + j] on one BLOCK_N x BLOCK_F tile."""
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
+    gate_ptr = h_ptr + rows[:, None] * stride_h + cols[None, :]
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + F, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    out_offsets = rows[:, None] * F + cols[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _swiglu_backward_kernel(
+    h_ptr, grad_ptr, dh_ptr, N, F, stride_h, stride_grad,
+    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr,
+):  # fmt: skip
+    """dh[n, j] = dgate, dh[n, F + j] = dup of (gate, up, grad) at (n, j), on one tile."""
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
+    gate_ptr = h_ptr + rows[:, None] * stride_h + cols[None, :]
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + F, mask=mask, other=0.0).to(tl.float32)
+    grad_ptrs = grad_ptr + rows[:, None] * stride_grad + cols[None, :]
+    grad = tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-gate))
+    dgate = grad * up * s * (1.0 + gate * (1.0 - s))
+    dup = grad * gate * s
+    dgate_ptr = dh_ptr + rows[:, None] * (2 * F) + cols[None, :]
+    tl.store(dgate_ptr, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + F, dup.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_config(F: int, max_block_f: int = MAX_BLOCK_F, tile: int = 4096) -> dict:
+    """The row (up to `max_block_f` columns) and enough rows to fill `tile` elements (8 rows
+    from F = 512, at most 64), four warps."""
+    block_f = min(triton.next_power_of_2(max(F, 1)), max_block_f)
+    block_n = max(1, min(64, tile // block_f))
+    return dict(BLOCK_N=block_n, BLOCK_F=block_f, EVEN_F=F % block_f == 0, num_warps=4)
+
+
+def _grid(N: int, F: int, cfg: dict) -> tuple[int, int]:
+    return triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(F, cfg["BLOCK_F"])
+
+
+def launch_forward(h_N2F, out_NF, config=None, wrap=None):
+    """out_NF = silu(gate) * up. `wrap` is `wrap_triton` inside an op; the benchmark's sweep
+    launches raw kernels."""
+    N, F = out_NF.shape
+    cfg = config or launch_config(F)
+    kernel = wrap(_swiglu_forward_kernel) if wrap else _swiglu_forward_kernel
+    kernel[_grid(N, F, cfg)](h_N2F, out_NF, N, F, h_N2F.stride(0), **cfg)
+
+
+def launch_backward(h_N2F, grad_NF, dh_N2F, config=None, wrap=None):
+    """dh_N2F = [dgate | dup] of swiglu at h_N2F for the incoming grad_NF."""
+    N, F = grad_NF.shape
+    cfg = config or launch_config(F)
+    kernel = wrap(_swiglu_backward_kernel) if wrap else _swiglu_backward_kernel
+    kernel[_grid(N, F, cfg)](
+        h_N2F, grad_NF, dh_N2F, N, F, h_N2F.stride(0), grad_NF.stride(0), **cfg
+    )
+
+
+def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t checked, and contiguous in its last dim (the kernels take any row stride)."""
+    if t.device.type == "cpu" and not _interpreting():
+        raise ValueError(f"{name}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    if t.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"{name}: expected bf16, fp16 or fp32, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _register_ops() -> None:
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("moetrain::swiglu", mutates_args=())
+    def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of h = [gate | up], (N, F), in h's dtype."""
+        h_N2F = _rows("swiglu", h_N2F)
+        if h_N2F.shape[1] % 2:
+            raise ValueError(f"swiglu: h's last dim must be even, got {h_N2F.shape[1]}")
+        out_NF = h_N2F.new_empty((h_N2F.shape[0], h_N2F.shape[1] // 2))
+        if out_NF.numel():
+            launch_forward(h_N2F, out_NF, wrap=wrap_triton)
+        return out_NF
+
+    @triton_op("moetrain::swiglu_backward", mutates_args=())
+    def swiglu_backward(h_N2F: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
+        """[dgate | dup], (N, 2F), in h's dtype."""
+        h_N2F, grad_NF = _rows("swiglu_backward", h_N2F), _rows("swiglu_backward", grad_NF)
+        dh_N2F = h_N2F.new_empty(h_N2F.shape)
+        if dh_N2F.numel():
+            launch_backward(h_N2F, grad_NF, dh_N2F, wrap=wrap_triton)
+        return dh_N2F
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx, grad_NF):
+        (h_N2F,) = ctx.saved_tensors
+        return torch.ops.moetrain.swiglu_backward(h_N2F, grad_NF)
+
+    swiglu.register_autograd(backward, setup_context=setup)
+
+
+if triton is not None:
+    _register_ops()
+
+
+def supports(h_N2F: torch.Tensor) -> bool:
+    """Whether the Triton op can take h (Triton installed, a kernel dtype)."""
+    return triton_available() and h_N2F.dtype in _KERNEL_DTYPES
+
+
+def swiglu_triton(h_N2F: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, differentiable in h (op `moetrain::swiglu`)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed: use moetrain.kernels.swiglu instead")
+    return torch.ops.moetrain.swiglu(h_N2F)
