@@ -177,7 +177,7 @@ def block_activation_bytes(
       (x width); the log-sum-exp 4 T N; RoPE's cos and sin, a S x H each.
     - router: fp32 logits and softmax 8 T E, z-loss log-sum-exp 4 T, a 4 E count vector.
     - MoE: three int64 index tensors 24 T K; dispatched rows a R T D; gate|up output 2 a R T F,
-      silu(gate) and silu * up a R T F each; combine's gathered outputs a T K D and fp32 weights 4 T K;
+      the swiglu output a R T F (it saves only gate|up); combine's gathered outputs a T K D and fp32 weights 4 T K;
       the experts' offsets 4 e. Shared experts / dense MLP: 4 a T hidden.
     """
     m, moe_cfg = config.model, config.moe
@@ -204,7 +204,7 @@ def block_activation_bytes(
     R = routed_rows_per_token(config, ep)
     ffn += 8 * T * E + 4 * T + 4 * E  # router
     ffn += 24 * T * K + a * T * K * D + 4 * T * K + 4 * (E // ep)  # dispatch and combine
-    ffn += int(a * R * T * (D + 4 * F))  # rows, gate|up, silu, product
+    ffn += int(a * R * T * (D + 3 * F))  # rows, gate|up (the swiglu's only save), its output
     ffn += 4 * a * T * F * moe_cfg.num_shared_experts
     return attention, norm(D), ffn
 
