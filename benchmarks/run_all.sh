@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark runs behind benchmarks/RESULTS.md, on one GPU. PART=1, 2, 3 or 4 (each fits one
+# The benchmark runs behind benchmarks/RESULTS.md, on one GPU. PART=1 to 5 (each fits one
 # 10-minute device call). Appends dated tables to $OUT/RESULTS.md (or ./RESULTS.new.md).
 set -uo pipefail
 OUT=${OUT:-.}; R=$OUT/RESULTS.md
@@ -23,4 +23,15 @@ fi
 if [[ ${PART:-1} == 4 ]]; then  # memory-bound kernels against the torch code they replace
   python3 benchmarks/gather_bench.py 2>&1 | tee "$OUT/gather_bench.txt"
   python3 benchmarks/adamw_bench.py 2>&1 | tee "$OUT/adamw_bench.txt"
+  python3 benchmarks/swiglu_bench.py 2>&1 | tee "$OUT/swiglu_bench.txt"
+fi
+if [[ ${PART:-1} == 5 ]]; then  # single-GPU options on small, one at a time against the default
+  for s in train.cuda_graph=false model.attention_backend=flash \
+           parallel.activation_checkpointing=moe parallel.activation_checkpointing=full \
+           "train.micro_batch_size=4 --set train.seq_len=4096" \
+           "train.micro_batch_size=16 --set train.seq_len=1024"; do
+    python3 -m moetrain bench --preset small --optimizer bf16-adamw --set $s \
+      --json "$OUT/small_$(echo $s | tr -dc a-z0-9 | tail -c 24).json" --results-md "$R" 2>&1 \
+      | grep -v Warn | tail -3
+  done
 fi
