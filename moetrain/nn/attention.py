@@ -60,14 +60,11 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # RoPE in the projections' own (B, S, heads, H) layout, then a transposed view for SDPA
-        # (which takes the strides as they are): compiled, the norm + RoPE kernels then read and
-        # write in the same order instead of writing a transposed copy.
-        cos_S1H, sin_S1H = (t.unsqueeze(1) for t in self.rope.cos_sin(S, q.dtype))
-        q_BSNH = apply_rope(q.view(B, S, self.num_heads, self.head_dim), cos_S1H, sin_S1H)
-        k_BSGH = apply_rope(k.view(B, S, self.num_kv_heads, self.head_dim), cos_S1H, sin_S1H)
-        q_BNSH, k_BGSH = q_BSNH.transpose(1, 2), k_BSGH.transpose(1, 2)
+        q_BNSH = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGSH = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_BGSH = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rope.cos_sin(S, q.dtype)
+        q_BNSH, k_BGSH = apply_rope(q_BNSH, cos, sin), apply_rope(k_BGSH, cos, sin)
         with self._kernel_choice(x_BSD.device):
             out_BNSH = F.scaled_dot_product_attention(
                 q_BNSH,

@@ -54,9 +54,7 @@ class RotaryEmbedding(nn.Module):
         return cos_SD.to(dtype), sin_SD.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., head_dim) by the angles whose cos and sin broadcast against it: (S, H) for
-    x of (B, heads, S, H), (S, 1, H) for x of (B, S, heads, H)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    half = x_BNSD.shape[-1] // 2
+    rotated = torch.cat([-x_BNSD[..., half:], x_BNSD[..., :half]], dim=-1)
+    return x_BNSD * cos_SD + rotated * sin_SD
