@@ -14,23 +14,32 @@ import torch
 
 # (phase, substrings); first match wins, so specific rules come first.
 RULES: list[tuple[str, tuple[str, ...]]] = [
-    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("optimizer", ("adam", "foreach", "multi_tensor", "_sum_of_squares")),
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")),
     ("expert GEMMs", ("grouped", "group_gemm", "groupedgemm", "groupproblemshape")),
     # moetrain's Triton quantizers (kernels/quant_triton.py) and torch's float8 casts
     ("FP8 conversions", ("_rowwise_kernel", "_column_amax", "_column_cast", "_mxfp8", "float8")),
+    ("norms, activations, elementwise", ("_swiglu",)),
     (
         "dispatch/combine (sort, gather, scatter)",
-        ("sort", "radix", "index", "gather", "scatter", "cumsum", "scan", "bmm", "routes_kernel"),
+        (
+            "sort",
+            "radix",
+            "index",
+            "gather",
+            "scatter",
+            "cumsum",
+            "scan",
+            "bmm",
+            "routes_kernel",
+            "_route_topk",
+        ),
     ),
     (
         "dense GEMMs (projections, router, LM head)",
         ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul"),
     ),
-    (
-        "loss (softmax, logsumexp)",
-        ("logsumexp", "log_softmax", "softmax", "nll", "cross_entropy", "_ce_rows"),
-    ),
+    ("loss (softmax, logsumexp)", ("logsumexp", "log_softmax", "softmax", "nll", "cross_entropy")),
     ("norms, activations, elementwise", ("norm", "silu", "elementwise", "vectorized", "reduce")),
 ]
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetrain.kernels import cross_entropy_triton
-
 
 def _chunk_loss_and_grad(logits_CV: torch.Tensor, t_C: torch.Tensor, scale: float):
     """Summed cross-entropy of one chunk and d(scale * loss)/d(logits) = scale * (softmax -
@@ -35,14 +33,9 @@ _compiled_chunk = None
 
 
 def _chunk_fn(device: torch.device):
-    """The chunk's loss and gradient: a two-pass Triton kernel on CUDA (one read and one write of
-    the chunk, moetrain.kernels.cross_entropy_triton), the torch function compiled on CUDA without
-    Triton, eager elsewhere."""
     global _compiled_chunk
     if device.type != "cuda":
         return _chunk_loss_and_grad
-    if cross_entropy_triton.triton_available():
-        return cross_entropy_triton.chunk_loss_and_grad_triton
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
     return _compiled_chunk
