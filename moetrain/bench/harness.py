@@ -11,6 +11,7 @@ split of a step.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import platform
 import tempfile
@@ -155,7 +156,22 @@ def bench_moetrain(
             result.phases_ms = prof.pop("phases")
             result.profile = prof
         trainer.metrics.close()
+        release(trainer)
     return result
+
+
+def release(trainer) -> None:
+    """Free a benchmarked trainer's GPU memory before the next system is measured: its CUDA graph
+    holds a private memory pool until reset, and the peak-memory column of the next row must not
+    include it."""
+    graph = trainer.step_graph.graph if trainer.step_graph is not None else None
+    if graph is not None:
+        graph.reset()
+    trainer.step_graph = None
+    trainer.model = trainer.optimizer = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def split_step(trainer, it, device: torch.device, repeats: int = 3) -> dict[str, float]:
