@@ -118,7 +118,7 @@ class AdamW:
         if isinstance(lr, torch.Tensor):
             raise RuntimeError(
                 "AdamW: a device learning rate (a CUDA-graphed step) needs the Triton kernel with "
-                "a gradient for every parameter; set train.cuda_graph=off"
+                "a gradient for every parameter; set train.cuda_graph=false"
             )
         if self.kernel == "triton":  # a parameter without a gradient: torch's semantics from now on
             warnings.warn(
