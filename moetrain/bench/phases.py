@@ -19,7 +19,6 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("expert GEMMs", ("grouped", "group_gemm", "groupedgemm", "groupproblemshape")),
     # moetrain's Triton quantizers (kernels/quant_triton.py) and torch's float8 casts
     ("FP8 conversions", ("_rowwise_kernel", "_column_amax", "_column_cast", "_mxfp8", "float8")),
-    ("norms, activations, elementwise", ("_swiglu",)),
     (
         "dispatch/combine (sort, gather, scatter)",
         (
@@ -40,7 +39,10 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
         ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul"),
     ),
     ("loss (softmax, logsumexp)", ("logsumexp", "log_softmax", "softmax", "nll", "cross_entropy")),
-    ("norms, activations, elementwise", ("norm", "silu", "elementwise", "vectorized", "reduce")),
+    (
+        "norms, activations, elementwise",
+        ("norm", "silu", "swiglu", "elementwise", "vectorized", "reduce"),
+    ),
 ]
 
 
