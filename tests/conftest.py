@@ -129,3 +129,16 @@ def run_interpreted_tests(test_file: str, timeout: float = 300) -> None:
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+
+
+def assert_compiled_matches_eager(layer, run, rel: float = 1e-5) -> None:
+    """`run(fn)` calls `fn` (`layer`, or `layer` under torch.compile(fullgraph=True)) on fresh
+    inputs and returns its outputs and gradients; the two runs must agree within `rel` of each
+    tensor's largest magnitude (fp32 sums in other orders)."""
+    torch._dynamo.reset()
+    compiled = run(torch.compile(layer, fullgraph=True))
+    eager = run(layer)
+    for c, e in zip(compiled, eager, strict=True):
+        assert c.shape == e.shape and (c - e).abs().max() <= rel * e.abs().max(), (
+            (c - e).abs().max()
+        )
