@@ -34,28 +34,17 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @_jit
-def _load_tile(
-    h_ptr, N, F, stride_h,
+def _swiglu_forward_kernel(
+    h_ptr, out_ptr, N, F, stride_h,
     BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr,
 ):  # fmt: skip
-    """This program's BLOCK_N x BLOCK_F tile: rows (int64), columns, mask, and gate and up in
-    fp32."""
+    """out[n, j] = silu(h[n, j]) * h[n, F + j] on one BLOCK_N x BLOCK_F tile."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
     gate_ptr = h_ptr + rows[:, None] * stride_h + cols[None, :]
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + F, mask=mask, other=0.0).to(tl.float32)
-    return rows, cols, mask, gate, up
-
-
-@_jit
-def _swiglu_forward_kernel(
-    h_ptr, out_ptr, N, F, stride_h,
-    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr,
-):  # fmt: skip
-    """out[n, j] = silu(h[n, j]) * h[n, F + j] on one BLOCK_N x BLOCK_F tile."""
-    rows, cols, mask, gate, up = _load_tile(h_ptr, N, F, stride_h, BLOCK_N, BLOCK_F, EVEN_F)
     out = gate / (1.0 + tl.exp(-gate)) * up
     out_offsets = rows[:, None] * F + cols[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -67,7 +56,12 @@ def _swiglu_backward_kernel(
     BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr,
 ):  # fmt: skip
     """dh[n, j] = dgate, dh[n, F + j] = dup of (gate, up, grad) at (n, j), on one tile."""
-    rows, cols, mask, gate, up = _load_tile(h_ptr, N, F, stride_h, BLOCK_N, BLOCK_F, EVEN_F)
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
+    gate_ptr = h_ptr + rows[:, None] * stride_h + cols[None, :]
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + F, mask=mask, other=0.0).to(tl.float32)
     grad_ptrs = grad_ptr + rows[:, None] * stride_grad + cols[None, :]
     grad = tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-gate))
