@@ -214,6 +214,8 @@ def test_parallelize_recipe_in_one_process(monkeypatch, checkpointing, dispatche
     with torch.device("meta"):
         model = Transformer(config)
     parallelize(model, config, dims)
+    compiled = [m._compiled_call_impl is not None for m in (*model.blocks.values(), model.norm)]
+    assert compiled == [compile] * (len(model.blocks) + 1)
     model.to_empty(device="cpu")
     model.init_weights()
     reference = build_model(config)
