@@ -6,7 +6,8 @@ chunks; for each chunk it forms the fp32 logits, takes the loss and, while the l
 hand, the gradients of h and w (softmax minus one-hot). Backward then only scales the stored
 gradients, so the logits are computed once and never stored: peak extra memory is one chunk of
 logits plus a gradient of the head, instead of T x V logits in the activation graph. The head's
-gradient accumulates over chunks inside the GEMM (addmm, beta = 1) in the weight's dtype.
+gradient accumulates over chunks inside the GEMM (addmm, beta = 1) in the weight's dtype; the
+first chunk writes it (beta = 0), so no zero-filled buffer is written and read back.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc_dtype = torch.promote_types(h_TD.dtype, torch.float32)  # fp32, or fp64 in tests
         grad_h_TD = torch.empty_like(h_TD) if need_h else None
-        grad_w_VD = torch.zeros_like(w_VD) if need_w else None
+        grad_w_VD = None
+        if need_w:  # written by the first chunk's GEMM; zeros only if there is no chunk
+            grad_w_VD = torch.empty_like(w_VD) if num_tokens else torch.zeros_like(w_VD)
         loss_sum = torch.zeros((), dtype=acc_dtype, device=h_TD.device)
         chunk_loss_and_grad = _chunk_fn(h_TD.device)
         for start in range(0, num_tokens, chunk_size):
@@ -60,7 +63,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss_sum += loss
             if need_h:
                 grad_h_TD[start : start + chunk_size] = grad_CV @ w_VD
-            if need_w:  # accumulated in the weight's dtype inside the GEMM (beta = 1)
+            if need_w and start == 0:  # the first chunk writes, no zero-filled buffer to read
+                torch.mm(grad_CV.T, h_CD, out=grad_w_VD)
+            elif need_w:  # accumulated in the weight's dtype inside the GEMM (beta = 1)
                 grad_w_VD.addmm_(grad_CV.T, h_CD)
         ctx.save_for_backward(grad_h_TD, grad_w_VD)
         return loss_sum / num_tokens

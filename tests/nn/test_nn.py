@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -115,12 +116,13 @@ def test_attention_gqa_and_qk_norm_against_manual():
         torch.testing.assert_close(attn(x), _manual_attention(attn, x))
 
 
-def test_chunked_cross_entropy_matches_full_logits():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("chunk_size", [8, 37, 64])  # five chunks, one exact, one larger
+def test_chunked_cross_entropy_matches_full_logits(chunk_size):
+    torch.manual_seed(chunk_size)
     h = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 50, (37,))
-    loss = chunked_linear_cross_entropy(h, w, t, chunk_size=8)
+    loss = chunked_linear_cross_entropy(h, w, t, chunk_size=chunk_size)
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = F.cross_entropy(h2 @ w2.T, t)
     torch.testing.assert_close(loss, ref)
