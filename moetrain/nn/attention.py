@@ -2,6 +2,10 @@
 
 Shapes: B batch, S sequence, D d_model, N query heads, G key/value heads, H head dim.
 qk-norm (OLMoE) is an RMSNorm over the full q and k projections, before the heads are split.
+On CUDA with Triton, qk-norm and RoPE run fused (`moetrain.kernels.qk_norm_rope_triton`): one
+kernel per direction for each of q and k, fp32 math rounded once, where the torch path rounds to
+the activation dtype between norm and RoPE and applies RoPE with tables in that dtype.
+`qk_norm_rope_reference` is the fused op's plain-torch twin.
 `torch.nn.functional.scaled_dot_product_attention` runs the flash or cuDNN kernels on GPU; the
 backend can be pinned, since cuDNN is about twice as fast as flash on Hopper for our shapes.
 """
@@ -15,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moetrain.nn.norm import RMSNorm
+from moetrain.kernels import qk_norm_rope_triton
+from moetrain.nn.norm import RMSNorm, rms_norm_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope
 
 _BACKENDS = {
@@ -28,6 +33,23 @@ _BACKENDS = {
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "math": [SDPBackend.MATH],
 }
+
+
+def qk_norm_rope_reference(
+    x_BSD: torch.Tensor, weight: torch.Tensor, eps: float, cos_SH: torch.Tensor,
+    sin_SH: torch.Tensor, head_dim: int,
+) -> torch.Tensor:  # fmt: skip
+    """RMSNorm of each row of x_BSD (N heads of head_dim), then RoPE of each head at positions
+    0..S-1 with the tables (max_positions, head_dim / 2), in fp32 (fp64 for fp64 inputs), rounded
+    once to x's dtype; differentiable in x and weight."""
+    B, S, D = x_BSD.shape
+    acc = torch.promote_types(x_BSD.dtype, torch.float32)
+    y_BSD = rms_norm_reference(x_BSD.to(acc), weight, eps)
+    y_BNSH = y_BSD.view(B, S, D // head_dim, head_dim).transpose(1, 2)
+    cos_SH, sin_SH = cos_SH[:S].to(acc), sin_SH[:S].to(acc)
+    cos_SD, sin_SD = torch.cat([cos_SH, cos_SH], dim=-1), torch.cat([sin_SH, sin_SH], dim=-1)
+    y_BNSH = apply_rope(y_BNSH, cos_SD, sin_SD)
+    return y_BNSH.transpose(1, 2).reshape(B, S, D).to(x_BSD.dtype)
 
 
 class Attention(nn.Module):
@@ -58,13 +80,8 @@ class Attention(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q_BNSH = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BGSH = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BNSH, k_BGSH = self._normed_rotated_heads(q, k)
         v_BGSH = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.rope.cos_sin(S, q.dtype)
-        q_BNSH, k_BGSH = apply_rope(q_BNSH, cos, sin), apply_rope(k_BGSH, cos, sin)
         with self._kernel_choice(x_BSD.device):
             out_BNSH = F.scaled_dot_product_attention(
                 q_BNSH,
@@ -74,6 +91,35 @@ class Attention(nn.Module):
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )
         return self.o_proj(out_BNSH.transpose(1, 2).reshape(B, S, -1))
+
+    def _normed_rotated_heads(
+        self, q_BSD: torch.Tensor, k_BSD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k split into heads, (B, N, S, H) and (B, G, S, H), qk-normed and rotated."""
+        B, S, _ = q_BSD.shape
+        rope = self.rope
+        fused = (
+            self.q_norm is not None
+            and q_BSD.is_cuda
+            and qk_norm_rope_triton.supports(q_BSD, rope.cos_SH)
+            and qk_norm_rope_triton.supports(k_BSD, rope.cos_SH)
+        )
+
+        def norm_rope(t_BSD: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+            return qk_norm_rope_triton.qk_norm_rope_triton(
+                t_BSD, norm.weight, norm.eps, rope.cos_SH, rope.sin_SH, self.head_dim
+            )
+
+        if fused:
+            q_BSD, k_BSD = norm_rope(q_BSD, self.q_norm), norm_rope(k_BSD, self.k_norm)
+        elif self.q_norm is not None:
+            q_BSD, k_BSD = self.q_norm(q_BSD), self.k_norm(k_BSD)
+        q_BNSH = q_BSD.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGSH = k_BSD.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if fused:
+            return q_BNSH, k_BGSH
+        cos, sin = rope.cos_sin(S, q_BSD.dtype)
+        return apply_rope(q_BNSH, cos, sin), apply_rope(k_BGSH, cos, sin)
 
     def _kernel_choice(self, device: torch.device) -> contextlib.AbstractContextManager:
         backend = self.backend

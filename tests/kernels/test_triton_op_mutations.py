@@ -132,3 +132,43 @@ def test_route_topk_kernel_writes_only_its_outputs():
     assert_writes_only(
         lambda w: topk._launch(scores, 8, ids, counts, wrap=w), {"ids_ptr", "counts_ptr"}
     )
+
+
+@pytest.mark.parametrize("heads,head_dim", [(16, 64), (4, 20)])
+def test_qk_norm_rope_kernels_write_only_their_outputs(heads, head_dim):
+    from moetrain.kernels import qk_norm_rope_triton as q
+
+    S, D = 8, heads * head_dim
+    x, grad_y, weight, rstd = randn(2 * S, D), randn(2 * S, D), torch.ones(D), torch.rand(2 * S)
+    cos, sin = torch.rand(S, head_dim // 2), torch.rand(S, head_dim // 2)
+    assert_writes_only(
+        lambda w: q.launch_qk_norm_rope_forward(
+            x,
+            weight,
+            cos,
+            sin,
+            torch.empty_like(x),
+            torch.empty(2 * S),
+            S,
+            head_dim,
+            1e-5,
+            wrap=w,
+        ),
+        {"y_ptr", "rstd_ptr"},
+    )
+    assert_writes_only(
+        lambda w: q.launch_qk_norm_rope_backward(
+            grad_y,
+            x,
+            weight,
+            rstd,
+            cos,
+            sin,
+            torch.empty_like(x),
+            torch.empty(4, D),
+            S,
+            head_dim,
+            wrap=w,
+        ),
+        {"grad_x_ptr", "partial_ptr"},
+    )
