@@ -15,7 +15,11 @@ one chunk of BLOCK elements of one tensor.
   loads. So when every address is a multiple of 16 bytes (checked on the host) the kernel asserts
   it with `tl.multiple_of`, and whole chunks run without an element mask: only each tensor's last
   chunk is masked. The default block gives each thread one 16-byte vector of each state tensor
-  (2048 elements with bf16 states, 1024 with fp32, at 8 warps): the best of those measured.
+  at 4 warps (1024 elements with bf16 states, 512 with fp32): small programs, many resident per
+  SM, hide each program's fixed start (tables, fp64 bias corrections). On the H200 (`small`'s
+  0.94B parameters, `benchmarks/adamw_bench.py --quick`) 4 warps took bf16 states from 4.66 to
+  3.83 ms (67 -> 82% of 4.2 TB/s) and fp32 states from 7.63 to 7.04 ms against 8 warps with
+  the same bytes a thread; larger blocks (4096-8192) were slower still.
 - Precision: the per-element math is fp32 in the order of the reference (and of torch's
   single-tensor AdamW), with IEEE-rounded divisions and square roots (`div_rn`, `sqrt_rn`) and
   no multiply-add contraction, so it agrees with the reference to an ulp, mostly bit for bit. The
@@ -208,7 +212,7 @@ def multi_tensor_adamw_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     block: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> None:
     """AdamW (decoupled weight decay) on every tensor of the lists, in one launch, in place.
 
