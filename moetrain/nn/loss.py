@@ -8,6 +8,11 @@ gradients, so the logits are computed once and never stored: peak extra memory i
 logits plus a gradient of the head, instead of T x V logits in the activation graph. The head's
 gradient accumulates over chunks inside the GEMM (addmm, beta = 1) in the weight's dtype; the
 first chunk writes it (beta = 0), so no zero-filled buffer is written and read back.
+
+The chunk's loss and softmax-minus-onehot: on CUDA with Triton (bf16, fp16, fp32 logits), one
+Triton kernel (`moetrain.kernels.cross_entropy_triton`: 0.304 ms for 4096 x 50304 bf16 on an
+H200, against 0.465 ms for the compiled torch chunk and 0.195 ms for a copy of the chunk); else
+`_chunk_loss_and_grad`, its reference twin, compiled on CUDA and eager on CPU.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moetrain.kernels import cross_entropy_triton
+
 
 def _chunk_loss_and_grad(logits_CV: torch.Tensor, t_C: torch.Tensor, scale: float):
     """Summed cross-entropy of one chunk and d(scale * loss)/d(logits) = scale * (softmax -
-    onehot), in the logits' dtype. Math in fp32 (fp64 for fp64 inputs). On CUDA this function is
-    compiled: one reduction and one elementwise pass over the chunk instead of eight."""
+    onehot), in the logits' dtype. Math in fp32 (fp64 for fp64 inputs). The CPU path, and on CUDA
+    without the Triton kernel compiled: one reduction and one elementwise pass over the chunk
+    instead of eight."""
     acc_dtype = torch.promote_types(logits_CV.dtype, torch.float32)
     logits = logits_CV.to(acc_dtype)
     lse_C = torch.logsumexp(logits, dim=-1)
@@ -33,13 +41,20 @@ def _chunk_loss_and_grad(logits_CV: torch.Tensor, t_C: torch.Tensor, scale: floa
 _compiled_chunk = None
 
 
-def _chunk_fn(device: torch.device):
+def _compiled_torch_chunk():
     global _compiled_chunk
-    if device.type != "cuda":
-        return _chunk_loss_and_grad
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
     return _compiled_chunk
+
+
+def _chunk_fn(device: torch.device, dtype: torch.dtype):
+    """(logits_CV, t_C, scale) -> (loss_sum, grad_CV) for logits of `dtype` on `device`."""
+    if device.type != "cuda":
+        return _chunk_loss_and_grad
+    if cross_entropy_triton.triton_available() and dtype in cross_entropy_triton.KERNEL_DTYPES:
+        return cross_entropy_triton.chunk_loss_and_grad_triton
+    return _compiled_torch_chunk()
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -53,11 +68,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if need_w:  # written by the first chunk's GEMM; zeros only if there is no chunk
             grad_w_VD = torch.empty_like(w_VD) if num_tokens else torch.zeros_like(w_VD)
         loss_sum = torch.zeros((), dtype=acc_dtype, device=h_TD.device)
-        chunk_loss_and_grad = _chunk_fn(h_TD.device)
         for start in range(0, num_tokens, chunk_size):
             h_CD = h_TD[start : start + chunk_size]
             logits_CV = h_CD @ w_VD.T
-            loss, grad_CV = chunk_loss_and_grad(
+            loss, grad_CV = _chunk_fn(logits_CV.device, logits_CV.dtype)(
                 logits_CV, targets_T[start : start + chunk_size], 1.0 / num_tokens
             )
             loss_sum += loss
