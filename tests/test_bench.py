@@ -40,5 +40,7 @@ def test_kernel_names_map_to_phases():
     assert classify("nvjet_sm90_tst_256x128_64x4") == "dense GEMMs (projections, router, LM head)"
     assert classify("_swiglu_backward_kernel") == "norms, activations, elementwise"
     assert classify("_route_topk_kernel") == "dispatch/combine (sort, gather, scatter)"
+    assert classify("_ce_rows_kernel") == "loss (softmax, logsumexp)"
+    assert classify("_qk_norm_rope_backward_kernel") == "norms, activations, elementwise"
     assert classify("_sum_of_squares_kernel") == "optimizer"
     assert classify("something_new") == "other"

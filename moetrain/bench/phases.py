@@ -38,7 +38,10 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
         "dense GEMMs (projections, router, LM head)",
         ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul"),
     ),
-    ("loss (softmax, logsumexp)", ("logsumexp", "log_softmax", "softmax", "nll", "cross_entropy")),
+    (
+        "loss (softmax, logsumexp)",
+        ("logsumexp", "log_softmax", "softmax", "nll", "cross_entropy", "_ce_rows"),
+    ),
     (
         "norms, activations, elementwise",
         ("norm", "silu", "swiglu", "elementwise", "vectorized", "reduce"),
