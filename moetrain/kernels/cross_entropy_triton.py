@@ -16,7 +16,8 @@ read, evict_first on the second read and the writes) keep the rows waiting for p
 
 Measured (benchmarks/ce_bench.py, 4096 x 50304 bf16 on an H200): 0.304 ms (64.6% of one read and
 one write at 4.2 TB/s), against 0.465 ms for the compiled torch chunk and 0.195 ms for a device
-copy of the chunk (the floor). What lost: programs_per_sm x SMs programs looping over the rows
+copy of the chunk (the floor); in the `small` training step, four chunks took 1.26 ms against
+1.85 ms for the compiled torch chunk. What lost: programs_per_sm x SMs programs looping over the rows
 (0.311 ms); the vocabulary split over 4-16 programs per row in two kernels (0.322 ms); writing the
 gradient in place over the logits (slower for every variant: 0.324 ms here); pipelined loads
 (stages 2-3: 0.41-0.44 ms); groups of 16 (0.315 ms).
