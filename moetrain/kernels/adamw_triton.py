@@ -19,7 +19,9 @@ one chunk of BLOCK elements of one tensor.
   SM, hide each program's fixed start (tables, fp64 bias corrections). On the H200 (`small`'s
   0.94B parameters, `benchmarks/adamw_bench.py --quick`) 4 warps took bf16 states from 4.66 to
   3.83 ms (67 -> 82% of 4.2 TB/s) and fp32 states from 7.63 to 7.04 ms against 8 warps with
-  the same bytes a thread; larger blocks (4096-8192) were slower still.
+  the same bytes a thread; larger blocks (4096-8192) were slower still. Inside the replayed
+  `small` step the kernel's time barely moved (3.94 -> 3.90 ms for its four launches, 80% of
+  copy bandwidth): the micro-benchmark's gain is partly per-call host work it times too.
 - Precision: the per-element math is fp32 in the order of the reference (and of torch's
   single-tensor AdamW), with IEEE-rounded divisions and square roots (`div_rn`, `sqrt_rn`) and
   no multiply-add contraction, so it agrees with the reference to an ulp, mostly bit for bit. The
