@@ -152,7 +152,7 @@ def bench_moetrain(
         if profile and dev.type == "cuda":
             from moetrain.bench.phases import profile_phases
 
-            prof = profile_phases(lambda: trainer.train_step(it), top=40)
+            prof = profile_phases(lambda: trainer.train_step(it), top=100)
             result.phases_ms = prof.pop("phases")
             result.profile = prof
         trainer.metrics.close()
