@@ -142,3 +142,25 @@ def assert_compiled_matches_eager(layer, run, rel: float = 1e-5) -> None:
         assert c.shape == e.shape and (c - e).abs().max() <= rel * e.abs().max(), (
             (c - e).abs().max()
         )
+
+
+# --- tolerances of kernels against references -------------------------------------------------
+
+PRECISION = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}  # significand bits
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at |x| (float64), that of its smallest normal below."""
+    _, exponent = torch.frexp(x.abs().clamp(min=torch.finfo(dtype).tiny))
+    return torch.ldexp(torch.ones_like(x), exponent - PRECISION[dtype])
+
+
+def assert_within(actual, expected, scale, dtype, ulps: float = 1.0, rel: float = 1e-5) -> None:
+    """|actual - expected| <= `ulps` `dtype` ulps at the larger of the two + rel * scale, in
+    float64; `scale` bounds the magnitudes of the terms whose fp32 rounding errors add up."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a, e = actual.double(), expected.double()
+    bound = ulps * ulp(torch.maximum(a.abs(), e.abs()), dtype) + rel * scale.double()
+    err = (a - e).abs()
+    worst = (err - bound).max().item() if err.numel() else 0.0
+    assert worst <= 0, f"error exceeds its bound by {worst:.3g} (max error {err.max().item():.3g})"

@@ -4,6 +4,9 @@ interpreter."""
 
 from __future__ import annotations
 
+import functools
+
+import conftest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,32 +23,16 @@ from moetrain.nn.attention import Attention, qk_norm_rope_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope
 
 EPS = 1e-5
-PRECISION = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}  # significand bits
 # fp32 error allowance, relative to the sum of the magnitudes of a result's terms: 2^7 fp32 ulps
 # covers the dozen roundings of each formula plus tree sums over up to 2^14 rows or columns (an
 # error growing with the depth of the tree, not the count), with headroom.
 REL = 2.0**-17
+assert_within = functools.partial(conftest.assert_within, rel=REL)
 
 
 def randn(*shape, dtype=torch.float32, seed=0, device="cpu", scale=2.0):
     gen = torch.Generator().manual_seed(seed)
     return (scale * torch.randn(shape, generator=gen)).to(dtype=dtype, device=device)
-
-
-def ulp(x, dtype):
-    """The spacing of `dtype` at |x| (float64), that of its smallest normal below."""
-    _, exponent = torch.frexp(x.abs().clamp(min=torch.finfo(dtype).tiny))
-    return torch.ldexp(torch.ones_like(x), exponent - PRECISION[dtype])
-
-
-def assert_within(actual, expected, scale, dtype, ulps=1.0):
-    """|actual - expected| <= `ulps` `dtype` ulps at the larger of the two + REL * scale."""
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    a, e = actual.double(), expected.double()
-    bound = ulps * ulp(torch.maximum(a.abs(), e.abs()), dtype) + REL * scale.double()
-    err = (a - e).abs()
-    worst = (err - bound).max().item() if err.numel() else 0.0
-    assert worst <= 0, f"error exceeds its bound by {worst:.3g} (max error {err.max().item():.3g})"
 
 
 def forward_rstd(x):
@@ -219,7 +206,7 @@ def check_qk_norm_rope_op(B, S, N, H, dtype, device, seed=0, scale=2.0):
 
 
 @needs_interpreter
-def test_triton_norm_ops_under_interpreter():
+def test_triton_qk_norm_rope_ops_under_interpreter():
     """Runs this file's `interpreted` tests in a fresh process with TRITON_INTERPRET=1 (the ops
     run eagerly on CPU tensors there; their compile path is covered by the CUDA tests)."""
     run_interpreted_tests(__file__)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import (
     TRITON_INSTALLED,
     assert_compiled_matches_eager,
+    assert_within,
     interpreted,
     needs_cuda_and_triton,
     needs_interpreter,
@@ -16,8 +17,6 @@ from conftest import (
 )
 
 from moetrain.kernels.swiglu import swiglu, swiglu_backward_reference, swiglu_reference
-
-PRECISION = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}  # significand bits
 
 
 def randn(*shape, dtype=torch.float32, seed=0, device="cpu", scale=2.0):
@@ -40,21 +39,6 @@ def scales(h_N2F, grad_NF):
     s = torch.sigmoid(h_N2F.double().chunk(2, dim=-1)[0])
     g = grad_NF.double().abs()
     return gate * s * up, torch.cat([g * up * s * (1 + gate * (1 - s)), g * gate * s], dim=-1)
-
-
-def ulp(x, dtype):
-    """The spacing of `dtype` at |x| (float64), that of its smallest normal below."""
-    _, exponent = torch.frexp(x.abs().clamp(min=torch.finfo(dtype).tiny))
-    return torch.ldexp(torch.ones_like(x), exponent - PRECISION[dtype])
-
-
-def assert_within(actual, expected, scale, dtype, ulps=1.0, rel=1e-5):
-    """|actual - expected| <= `ulps` `dtype` ulps at the larger of the two + rel * scale."""
-    a, e = actual.double(), expected.double()
-    bound = ulps * ulp(torch.maximum(a.abs(), e.abs()), dtype) + rel * scale.double()
-    err = (a - e).abs()
-    worst = (err - bound).max().item() if err.numel() else 0.0
-    assert worst <= 0, f"error exceeds its bound by {worst:.3g} (max error {err.max().item():.3g})"
 
 
 # --- references and the CPU autograd Function --------------------------------------------------
