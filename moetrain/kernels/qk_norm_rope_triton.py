@@ -146,34 +146,23 @@ def num_warps_for(tile_elements: int) -> int:
     return max(4, min(16, tile_elements // 512))
 
 
-def _backward_row_config(D: int, num_rows: int, num_programs: int, tile: int = TILE) -> dict:
-    """The whole row and enough rows to fill `tile` elements (2 rows at D = 1024, one from
-    2048), and the tiles for `num_programs` to cover the rows."""
-    block_d = triton.next_power_of_2(max(D, 1))
-    block_m = max(1, min(64, tile // block_d))
-    return dict(
-        BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=D == block_d,
-        TILES_PER_PROGRAM=tiles_per_program(num_rows, block_m, num_programs),
-        num_warps=num_warps_for(block_m * block_d),
-    )  # fmt: skip
-
-
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def num_programs(D: int, num_rows: int, device: torch.device) -> int:
-    """WARPS_PER_SM warps an SM, all resident at once (at ~90 registers a thread five programs
-    of four warps fit), so no program waits for a second wave; fewer where the rows run out."""
+    """Backward programs: WARPS_PER_SM warps an SM, all resident at once (at ~90 registers a
+    thread five programs of four warps fit), so no program waits for a second wave; fewer where
+    the rows run out."""
     num_rows = int(num_rows)  # specialized, as in `tiles_per_program`
-    cfg = _backward_row_config(D, num_rows, 1)
+    cfg = launch_config(D)
     if device.type == "cuda":
         max_programs = WARPS_PER_SM * _sm_count(device.index or 0) // cfg["num_warps"]
     else:
         max_programs = _INTERPRETER_PROGRAMS
-    cfg = _backward_row_config(D, num_rows, max_programs)
-    return max(1, triton.cdiv(num_rows, cfg["BLOCK_M"] * cfg["TILES_PER_PROGRAM"]))
+    rows = cfg["BLOCK_M"] * tiles_per_program(num_rows, cfg["BLOCK_M"], max_programs)
+    return max(1, triton.cdiv(num_rows, rows))
 
 
 def rows_of(name: str, t: torch.Tensor, D: int) -> torch.Tensor:
