@@ -25,6 +25,7 @@ if [[ ${PART:-1} == 4 ]]; then  # memory-bound kernels against the torch code th
   python3 benchmarks/adamw_bench.py 2>&1 | tee "$OUT/adamw_bench.txt"
   python3 benchmarks/swiglu_bench.py 2>&1 | tee "$OUT/swiglu_bench.txt"
   python3 benchmarks/ce_bench.py 2>&1 | tee "$OUT/ce_bench.txt"
+  python3 benchmarks/qk_norm_rope_bench.py 2>&1 | tee "$OUT/qk_norm_rope_bench.txt"
 fi
 if [[ ${PART:-1} == 5 ]]; then  # single-GPU options on small, one at a time against the default
   for s in train.cuda_graph=false model.attention_backend=flash \
