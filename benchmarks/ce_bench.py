@@ -20,11 +20,11 @@ copy 0.195 ms, V0 0.465 ms, Triton 0.304 ms at the defaults (block 8192, 32 warp
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from moetrain.bench.timing import kernel_ms
 from moetrain.kernels import cross_entropy_triton as ce
 from moetrain.nn.loss import _chunk_loss_and_grad, _compiled_torch_chunk
 
@@ -37,24 +37,7 @@ def log(msg: str) -> None:
 
 
 def time_ms(fn, prep, reps: int, warmup: int = 3, sleep_cycles: int = 3_000_000) -> float:
-    for _ in range(warmup):
-        prep()
-        fn()
-    if not torch.cuda.is_available():  # the interpreter smoke run: wall time of one call
-        t = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - t)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(sleep_cycles)  # the host queues the work while the GPU sleeps
-        prep()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return kernel_ms(fn, reps=reps, warmup=warmup, prep=prep, sleep_cycles=sleep_cycles)
 
 
 class Bench:

@@ -17,10 +17,10 @@ indices and weights included), against 4.2 TB/s (a device copy on the H200 reach
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from moetrain.bench.timing import kernel_ms
 from moetrain.kernels import gather, gather_triton
 from moetrain.moe.dispatch import weighted_sum_of_routes
 
@@ -76,18 +76,7 @@ def old_gather_routes(
 
 
 def time_ms(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # the host queues the op while the GPU sleeps
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return kernel_ms(fn, reps=iters, warmup=warmup, sleep_cycles=1_000_000)
 
 
 def time_backward_ms(forward, inputs, grad, iters: int) -> float:

@@ -35,11 +35,11 @@ the defaults.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from moetrain.bench.timing import kernel_ms
 from moetrain.kernels import qk_norm_rope_triton as qk
 from moetrain.nn.attention import qk_norm_rope_reference
 from moetrain.nn.norm import rms_norm
@@ -74,23 +74,7 @@ class Timer:
             self.scratch.fill_(1)  # 128 MB: evicts the 60 MB L2
 
     def ms(self, fn, warmup: int = 3, sleep_cycles: int = 2_000_000) -> float:
-        for _ in range(warmup):
-            fn()
-        if not self.cuda:  # the interpreter smoke run: wall time of one call
-            t = time.perf_counter()
-            fn()
-            return 1e3 * (time.perf_counter() - t)
-        times = []
-        for _ in range(self.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(sleep_cycles)  # the host queues the work while the GPU sleeps
-            self.prep()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return kernel_ms(fn, self.reps, warmup, self.prep, sleep_cycles)
 
 
 def pct(nbytes: int, ms: float) -> float:

@@ -44,3 +44,11 @@ def test_kernel_names_map_to_phases():
     assert classify("_qk_norm_rope_backward_kernel") == "norms, activations, elementwise"
     assert classify("_sum_of_squares_kernel") == "optimizer"
     assert classify("something_new") == "other"
+
+
+def test_kernel_ms_on_cpu_warms_up_with_prep_then_times_one_call():
+    from moetrain.bench.timing import kernel_ms
+
+    calls = []
+    ms = kernel_ms(lambda: calls.append("fn"), warmup=2, prep=lambda: calls.append("prep"))
+    assert calls == ["prep", "fn", "prep", "fn", "fn"] and ms >= 0

@@ -37,6 +37,38 @@ def time_steps(
     return times
 
 
+def kernel_ms(
+    fn: Callable[[], object],
+    reps: int = 20,
+    warmup: int = 3,
+    prep: Callable[[], object] | None = None,
+    sleep_cycles: int = 2_000_000,
+) -> float:
+    """Median milliseconds of one call of a short GPU operation (micro-benchmarks). Before each
+    sample a sleep kernel keeps the GPU busy while the host queues the work, so launch latency is
+    not timed, and `prep` (untimed) can restore inputs or evict L2. Without CUDA (the Triton
+    interpreter's smoke runs) it returns the wall time of one call."""
+    prep = prep or (lambda: None)
+    for _ in range(warmup):
+        prep()
+        fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        prep()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def summarize(times_ms: list[float]) -> dict[str, float]:
     ordered = sorted(times_ms)
     q = statistics.quantiles(ordered, n=10) if len(ordered) >= 2 else [ordered[0]] * 9
