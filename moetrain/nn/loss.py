@@ -68,10 +68,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if need_w:  # written by the first chunk's GEMM; zeros only if there is no chunk
             grad_w_VD = torch.empty_like(w_VD) if num_tokens else torch.zeros_like(w_VD)
         loss_sum = torch.zeros((), dtype=acc_dtype, device=h_TD.device)
+        chunk_loss_and_grad = _chunk_fn(h_TD.device, h_TD.dtype)  # the logits' device and dtype
         for start in range(0, num_tokens, chunk_size):
             h_CD = h_TD[start : start + chunk_size]
             logits_CV = h_CD @ w_VD.T
-            loss, grad_CV = _chunk_fn(logits_CV.device, logits_CV.dtype)(
+            loss, grad_CV = chunk_loss_and_grad(
                 logits_CV, targets_T[start : start + chunk_size], 1.0 / num_tokens
             )
             loss_sum += loss
