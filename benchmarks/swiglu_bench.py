@@ -5,7 +5,9 @@
 For h of N x 2F ([gate | up]) in bf16, times forward and backward (through autograd, h requiring
 grad as in the model) of
 - `F.silu(gate) * up` under torch.compile (what GroupedExperts ran before the op);
-- `moetrain.kernels.swiglu.swiglu`, i.e. the Triton op `moetrain::swiglu` on CUDA.
+- `moetrain.kernels.swiglu.swiglu`, i.e. the Triton op `moetrain::swiglu` on CUDA, without and
+  with row weights (the router weights GroupedExperts applies there; the backward then also
+  returns their gradient, a row sum).
 Timing is gather_bench's: median of `--iters` CUDA-event samples after warm-up, a sleep kernel
 queued before each sample to hide launch latency. GB/s count the bytes floor, 2 bytes an element:
 forward reads 2F and writes F per row, backward reads 2F + F and writes 2F. `--sweep` times the
@@ -38,7 +40,12 @@ def bench(N: int, hidden: int, iters: int) -> None:
     print(f"| {'operation':<46} | {'ms':>7} | {'GB/s':>7} | {'peak':>6} |")
     print(f"|{'-' * 48}|{'-' * 9}|{'-' * 9}|{'-' * 8}|")
     row("device copy of h (reference)", time_ms(h.detach().clone, iters), 2 * 2 * h.numel())
-    variants = [("torch.compile silu(g) * u", torch.compile(torch_swiglu)), ("triton op", swiglu)]
+    w_rows = torch.rand(N, device="cuda")  # router weights: the experts apply them in the op
+    variants = [
+        ("torch.compile silu(g) * u", torch.compile(torch_swiglu)),
+        ("triton op", swiglu),
+        ("triton op, row weights (+ their gradient)", lambda h: swiglu(h, w_rows)),
+    ]
     for label, fn in variants:
         row(f"forward, {label}", time_ms(lambda f=fn: f(h), iters), fwd_bytes)
         row(f"backward, {label}", time_backward_ms(fn, (h,), grad, iters), bwd_bytes)
@@ -60,7 +67,10 @@ def sweep(N: int, hidden: int, iters: int) -> None:
     fwd_bytes, bwd_bytes = 2 * N * 3 * hidden, 2 * N * 5 * hidden
     default = swiglu_triton.launch_config(hidden)
     print(f"\nsweep F={hidden} (default {default})")
-    print("| block_f | rows | warps | fwd ms | fwd % peak | bwd ms | bwd % peak |")
+    w_rows, dw = torch.rand(N, device="cuda"), torch.empty(N, 8, device="cuda")
+    print(
+        "| block_f | rows | warps | fwd ms | fwd % peak | bwd ms | bwd % peak | weighted bwd ms |"
+    )
     configs = {}  # distinct tiles only: narrow rows give the same tile for several caps
     for max_block_f in (256, 512, 1024):
         for tile in (2048, 4096, 8192):
@@ -68,10 +78,12 @@ def sweep(N: int, hidden: int, iters: int) -> None:
                 cfg = dict(swiglu_triton.launch_config(hidden, max_block_f, tile), num_warps=warps)
                 configs[tuple(cfg.values())] = cfg
     for cfg in configs.values():
-        fwd = time_ms(lambda c=cfg: swiglu_triton.launch_forward(h, out, c), iters)
-        bwd = time_ms(lambda c=cfg: swiglu_triton.launch_backward(h, grad, dh, c), iters)
+        fwd = time_ms(lambda c=cfg: swiglu_triton.launch_forward(h, out, config=c), iters)
+        bwd = time_ms(lambda c=cfg: swiglu_triton.launch_backward(h, grad, dh, config=c), iters)
+        dw_NB = dw[:, : swiglu_triton.num_column_blocks(hidden, cfg)]
+        wbwd = time_ms(lambda c=cfg, d=dw_NB: swiglu_triton.launch_backward(h, grad, dh, w_rows, d, config=c), iters)  # fmt: skip
         pct = [100 * b / ms / 1e6 / PEAK_GBPS for b, ms in ((fwd_bytes, fwd), (bwd_bytes, bwd))]
-        print(f"| {cfg['BLOCK_F']:7} | {cfg['BLOCK_N']:4} | {cfg['num_warps']:5} | {fwd:6.3f} | {pct[0]:9.1f}% | {bwd:6.3f} | {pct[1]:9.1f}% |")  # fmt: skip
+        print(f"| {cfg['BLOCK_F']:7} | {cfg['BLOCK_N']:4} | {cfg['num_warps']:5} | {fwd:6.3f} | {pct[0]:9.1f}% | {bwd:6.3f} | {pct[1]:9.1f}% | {wbwd:6.3f} |")  # fmt: skip
 
 
 def main() -> None:

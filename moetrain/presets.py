@@ -163,7 +163,8 @@ def trillion_1_2t() -> RunConfig:
     4096, global batch 4096 sequences (16.8M tokens), random routing as in the reference
     measurement, the exact-split all-to-all dispatcher (dropless NoSync blocks would carry ep
     times the rows). Layout: pp 16, ep 8 (all-to-all inside a node), no activation checkpointing:
-    on 512 B300 the planner's best (`moetrain plan --preset trillion-1.2t --gpus 512 --gpu b300`).
+    on 512 B300 within 3% of the planner's best, a 64-stage pipeline at ep 1 (`moetrain plan
+    --preset trillion-1.2t --gpus 512 --gpu b300`; docs/plan.md says why the preset keeps this).
     """
     return _trillion("trillion-1.2t", 256)
 

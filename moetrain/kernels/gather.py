@@ -7,11 +7,13 @@ slot order_N[n] % K. `inverse_TK` (int64, (T, K)) is its inverse: inverse_TK.vie
 
     rows_ND = gather_routes(x_TD, order_N, inverse_TK)             # rows[n] = x[order[n] // K]
     out_TD = combine_routes(y_ND, order_N, inverse_TK, weights_TK)  # sum_k w[t, k] y[inverse[t, k]]
+    out_TD = sum_routes(y_ND, order_N, inverse_TK)                  # sum_k y[inverse[t, k]]
 
 Both carry both permutations so that every backward is a gather too (no scatter, no atomics):
 - gather: grad_x[t] = sum_k grad_rows[inverse[t, k]], the unweighted combine;
 - combine: grad_y[n] = w_flat[order[n]] * g[order[n] // K] and
-  grad_w[t, k] = <y[inverse[t, k]], g[t]>, both computed row by row in one pass.
+  grad_w[t, k] = <y[inverse[t, k]], g[t]>, both computed row by row in one pass;
+- sum (the combine of rows the experts already weighted): grad_y[n] = g[order[n] // K], the gather.
 Sums over K and over D accumulate in float32 (at least), and come back in the rows' dtype; the
 weights are float32 router weights and their gradient is float32.
 
@@ -113,6 +115,18 @@ class _CombineRoutesReference(torch.autograd.Function):
         return grad_y, None, None, grad_w
 
 
+class _SumRoutesReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_ND, order_N, inverse_TK):  # type: ignore[override]
+        ctx.save_for_backward(order_N, inverse_TK)
+        return gather_routes_backward_reference(y_ND, inverse_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD):  # type: ignore[override]
+        order_N, inverse_TK = ctx.saved_tensors
+        return gather_routes_reference(grad_TD, order_N, inverse_TK), None, None
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and gather_triton.triton_available()
 
@@ -134,3 +148,12 @@ def combine_routes(
         weights_TK = weights_TK.to(torch.float32)  # the kernels read float32 weights
         return gather_triton.combine_routes_triton(y_ND, inverse_TK, weights_TK)
     return _CombineRoutesReference.apply(y_ND, order_N, inverse_TK, weights_TK)
+
+
+def sum_routes(y_ND: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:
+    """Each token's K expert results summed (fp32 accumulation, in y's dtype): the combine of rows
+    that the experts already weighted. Its backward copies each token's gradient to its K rows
+    and saves nothing but the permutations."""
+    if _use_triton(y_ND):
+        return gather_triton.sum_routes_triton(y_ND, inverse_TK)
+    return _SumRoutesReference.apply(y_ND, order_N, inverse_TK)

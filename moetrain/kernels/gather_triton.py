@@ -259,3 +259,10 @@ def combine_routes_triton(
     (op `moetrain::sum_routes`)."""
     _require_triton()
     return torch.ops.moetrain.sum_routes(y_ND, inverse_TK, weights_TK)
+
+
+def sum_routes_triton(y_ND: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k y[inverse[t, k]], differentiable in y (op `moetrain::sum_routes` without
+    weights; its backward is `moetrain::gather_routes`)."""
+    _require_triton()
+    return torch.ops.moetrain.sum_routes(y_ND, inverse_TK, None)

@@ -1,15 +1,18 @@
 """SwiGLU of the fused expert projection, with plain-torch references.
 
-F hidden size; h_N2F holds [gate | up] on its last dim (gate = h[:, :F], up = h[:, F:]):
+F hidden size; h_N2F holds [gate | up] on its last dim (gate = h[:, :F], up = h[:, F:]), and
+optional row weights w_N (float32: the router weight of each expert row) scale the output:
 
-    out_NF = silu(gate) * up                                   # swiglu(h_N2F)
-    dgate = grad * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate)
-    dup   = grad * gate * s                                    # grad_h = [dgate | dup]
+    out_NF = w * silu(gate) * up                               # swiglu(h_N2F, w_N); w = 1 without
+    dgate = w grad * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate)
+    dup   = w grad * gate * s                                  # grad_h = [dgate | dup]
+    dw    = sum_j grad * silu(gate) * up                       # per row
 
-Math in float32 (float64 for float64 inputs), rounded once to h's dtype. On CUDA with Triton
-installed `swiglu` runs the Triton op of `swiglu_triton` (one pass over each (row, column) in
-both directions; no graph break under `torch.compile(fullgraph=True)`); elsewhere an autograd
-Function of the two references. Both paths save h alone for the backward.
+Math in float32 (float64 for float64 inputs), rounded once to h's dtype; dw stays float32 (in
+the weights' dtype). On CUDA with Triton installed `swiglu` runs the Triton op of `swiglu_triton`
+(one pass over each (row, column) in both directions; no graph break under
+`torch.compile(fullgraph=True)`); elsewhere an autograd Function of the references. Both paths
+save h (and w) alone for the backward.
 """
 
 from __future__ import annotations
@@ -26,44 +29,63 @@ def _halves(h_N2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return h_N2F.to(acc).chunk(2, dim=-1)
 
 
-def swiglu_reference(h_N2F: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, (N, F), in h's dtype."""
+def swiglu_reference(h_N2F: torch.Tensor, w_N: torch.Tensor | None = None) -> torch.Tensor:
+    """w * silu(gate) * up, (N, F), in h's dtype."""
     gate_NF, up_NF = _halves(h_N2F)
-    return (F.silu(gate_NF) * up_NF).to(h_N2F.dtype)
+    out_NF = F.silu(gate_NF) * up_NF
+    if w_N is not None:
+        out_NF = out_NF * w_N.to(out_NF.dtype)[:, None]
+    return out_NF.to(h_N2F.dtype)
 
 
-def swiglu_backward_reference(h_N2F: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
-    """[dgate | dup], (N, 2F), in h's dtype."""
+def weighted_swiglu_backward_reference(
+    h_N2F: torch.Tensor, grad_NF: torch.Tensor, w_N: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([dgate | dup] in h's dtype, dw in w's dtype or None without weights)."""
     gate_NF, up_NF = _halves(h_N2F)
     grad_NF = grad_NF.to(gate_NF.dtype)
     s_NF = torch.sigmoid(gate_NF)
+    dw_N = None
+    if w_N is not None:
+        dw_N = (grad_NF * gate_NF * s_NF * up_NF).sum(-1).to(w_N.dtype)
+        grad_NF = grad_NF * w_N.to(grad_NF.dtype)[:, None]
     dgate_NF = grad_NF * up_NF * s_NF * (1 + gate_NF * (1 - s_NF))
     dup_NF = grad_NF * gate_NF * s_NF
-    return torch.cat([dgate_NF, dup_NF], dim=-1).to(h_N2F.dtype)
+    return torch.cat([dgate_NF, dup_NF], dim=-1).to(h_N2F.dtype), dw_N
+
+
+def swiglu_backward_reference(h_N2F: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
+    """[dgate | dup], (N, 2F), in h's dtype (no row weights)."""
+    return weighted_swiglu_backward_reference(h_N2F, grad_NF, None)[0]
 
 
 class _SwiGLUReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_N2F):  # type: ignore[override]
-        ctx.save_for_backward(h_N2F)
-        return swiglu_reference(h_N2F)
+    def forward(ctx, h_N2F, w_N):  # type: ignore[override]
+        ctx.save_for_backward(h_N2F, w_N)
+        return swiglu_reference(h_N2F, w_N)
 
     @staticmethod
     def backward(ctx, grad_NF):  # type: ignore[override]
-        (h_N2F,) = ctx.saved_tensors
-        return swiglu_backward_reference(h_N2F, grad_NF)
+        h_N2F, w_N = ctx.saved_tensors
+        return weighted_swiglu_backward_reference(h_N2F, grad_NF, w_N)
 
 
-def _check(h_N2F: torch.Tensor) -> None:
+def _check(h_N2F: torch.Tensor, w_N: torch.Tensor | None) -> None:
     if h_N2F.dim() != 2 or h_N2F.shape[1] % 2:
         raise ValueError(f"swiglu: h must be 2-D (N, 2F) with an even last dim, got {tuple(h_N2F.shape)}")  # fmt: skip
     if h_N2F.shape[1] > 1 and h_N2F.stride(1) != 1:
         raise ValueError(f"swiglu: h must be contiguous in its last dim, got strides {h_N2F.stride()}")  # fmt: skip
+    if w_N is not None and w_N.shape != h_N2F.shape[:1]:
+        raise ValueError(f"swiglu: row weights of shape {tuple(w_N.shape)} for {h_N2F.shape[0]} rows")  # fmt: skip
 
 
-def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of h_N2F = [gate | up], (N, F), differentiable in h."""
-    _check(h_N2F)
+def swiglu(h_N2F: torch.Tensor, w_N: torch.Tensor | None = None) -> torch.Tensor:
+    """w * silu(gate) * up of h_N2F = [gate | up], (N, F), differentiable in h and w (optional
+    row weights, (N,))."""
+    _check(h_N2F, w_N)
     if h_N2F.is_cuda and swiglu_triton.supports(h_N2F):
-        return swiglu_triton.swiglu_triton(h_N2F)
-    return _SwiGLUReference.apply(h_N2F)
+        if w_N is not None and w_N.dtype != torch.float32:  # the kernels read float32 weights
+            w_N = w_N.float()
+        return swiglu_triton.swiglu_triton(h_N2F, w_N)
+    return _SwiGLUReference.apply(h_N2F, w_N)

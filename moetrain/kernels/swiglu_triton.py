@@ -7,17 +7,23 @@ element is touched once, in fp32, rounded once at the store. Inductor's backward
 `silu(gate) * up` instead writes the (N, 2F) gradient as a `cat` whose every element re-loads
 inputs of both halves (about 59% of bandwidth on an H200 at N = 131072, F = 512, bf16).
 
+Optional float32 row weights w_N (the router weights of the rows, which GroupedExperts applies
+here rather than after the down projection: exact, since that projection is linear) scale each
+output row; the backward then scales grad by w[n] and also returns dw[n] = sum_j grad[n, j] *
+silu(gate) * up, a row sum of values it already holds: 4 bytes a row more, no extra pass.
+
 Each program takes a 2-D tile of BLOCK_N rows x BLOCK_F columns (the whole row up to 512
 columns, 4096 elements per tile, four warps): columns are contiguous, so with F and the row
 strides multiples of 16 (Triton specializes on it) every load and store is a 16-byte vector
 access, and no per-element division by F is needed to find a row (as a flat 1-D index over N*F
 would). Column tails (F not a multiple of BLOCK_F) are masked; row offsets are int64 (N*2F can
-exceed 2^31). Expected: ~90% of memory bandwidth in both directions (a pure streaming kernel; not
-yet measured: `benchmarks/swiglu_bench.py` does, and `--sweep` times other tiles). exp and the
-division are CUDA's fast approximations (a few fp32 ulps), so results can differ from the
-references by one ulp of the output dtype. Registered like `gather_triton`: `triton_op` + `wrap_triton`, so
-`torch.compile(fullgraph=True)` traces the ops without a graph break; autograd through
-`register_autograd`, saving h alone. Without Triton the module imports and registers nothing.
+exceed 2^31). Rows wider than a block give each column block's part of dw, which the op sums.
+Measured on an H200 (`benchmarks/swiglu_bench.py`, N = 131,072): the forward at 98-100% of copy
+bandwidth, the backward at ~90%. exp and the division are CUDA's fast approximations (a few fp32
+ulps), so results can differ from the references by one ulp of the output dtype. Registered like
+`gather_triton`: `triton_op` + `wrap_triton`, so `torch.compile(fullgraph=True)` traces the ops
+without a graph break; autograd through `register_autograd`, saving h (and w) alone. Without
+Triton the module imports and registers nothing.
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @_jit
 def _swiglu_forward_kernel(
-    h_ptr, out_ptr, N, F, stride_h,
-    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr,
+    h_ptr, w_ptr, out_ptr, N, F, stride_h,
+    HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+    EVEN_F: tl.constexpr,
 ):  # fmt: skip
-    """out[n, j] = silu(h[n, j]) * h[n, F + j] on one BLOCK_N x BLOCK_F tile."""
+    """out[n, j] = silu(h[n, j]) * h[n, F + j] (times w[n] with weights) on one tile."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
@@ -46,16 +53,22 @@ def _swiglu_forward_kernel(
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + F, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_WEIGHTS:
+        out = out * tl.load(w_ptr + rows, mask=rows < N, other=0.0)[:, None]
     out_offsets = rows[:, None] * F + cols[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit
 def _swiglu_backward_kernel(
-    h_ptr, grad_ptr, dh_ptr, N, F, stride_h, stride_grad,
-    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr,
+    h_ptr, grad_ptr, w_ptr, dh_ptr, dw_ptr, N, F, stride_h, stride_grad,
+    HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+    EVEN_F: tl.constexpr,
 ):  # fmt: skip
-    """dh[n, j] = dgate, dh[n, F + j] = dup of (gate, up, grad) at (n, j), on one tile."""
+    """dh[n, j] = dgate, dh[n, F + j] = dup of (gate, up, grad) at (n, j), on one tile. With
+    weights the incoming grad is scaled by w[n] first, and the tile's part of dw[n] = sum_j
+    grad[n, j] * silu(gate) * up lands in dw[n, program_id(1)] (fp32; the op sums the column
+    blocks)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
@@ -65,11 +78,17 @@ def _swiglu_backward_kernel(
     grad_ptrs = grad_ptr + rows[:, None] * stride_grad + cols[None, :]
     grad = tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-gate))
-    dgate = grad * up * s * (1.0 + gate * (1.0 - s))
-    dup = grad * gate * s
+    grad_w = grad
+    if HAS_WEIGHTS:
+        grad_w = grad * tl.load(w_ptr + rows, mask=rows < N, other=0.0)[:, None]
+    dgate = grad_w * up * s * (1.0 + gate * (1.0 - s))
+    dup = grad_w * gate * s
     dgate_ptr = dh_ptr + rows[:, None] * (2 * F) + cols[None, :]
     tl.store(dgate_ptr, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(dgate_ptr + F, dup.to(dh_ptr.dtype.element_ty), mask=mask)
+    if HAS_WEIGHTS:  # after the stores: the row sum's barrier then holds no store back
+        dot = tl.sum(grad * gate * s * up, axis=1)
+        tl.store(dw_ptr + rows * tl.num_programs(1) + tl.program_id(1), dot, mask=rows < N)
 
 
 def launch_config(F: int, max_block_f: int = MAX_BLOCK_F, tile: int = 4096) -> dict:
@@ -84,23 +103,35 @@ def _grid(N: int, F: int, cfg: dict) -> tuple[int, int]:
     return triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(F, cfg["BLOCK_F"])
 
 
-def launch_forward(h_N2F, out_NF, config=None, wrap=None):
-    """out_NF = silu(gate) * up. `wrap` is `wrap_triton` inside an op; the benchmark's sweep
-    launches raw kernels."""
+def launch_forward(h_N2F, out_NF, w_N=None, config=None, wrap=None):
+    """out_NF = silu(gate) * up (times w_N[n] per row when given). `wrap` is `wrap_triton`
+    inside an op; the benchmark's sweep launches raw kernels."""
     N, F = out_NF.shape
     cfg = config or launch_config(F)
     kernel = wrap(_swiglu_forward_kernel) if wrap else _swiglu_forward_kernel
-    kernel[_grid(N, F, cfg)](h_N2F, out_NF, N, F, h_N2F.stride(0), **cfg)
+    w = out_NF if w_N is None else w_N  # a dummy pointer when unused
+    kernel[_grid(N, F, cfg)](
+        h_N2F, w, out_NF, N, F, h_N2F.stride(0), HAS_WEIGHTS=w_N is not None, **cfg
+    )
 
 
-def launch_backward(h_N2F, grad_NF, dh_N2F, config=None, wrap=None):
-    """dh_N2F = [dgate | dup] of swiglu at h_N2F for the incoming grad_NF."""
+def launch_backward(h_N2F, grad_NF, dh_N2F, w_N=None, dw_NB=None, config=None, wrap=None):
+    """dh_N2F = [dgate | dup] of swiglu at h_N2F for the incoming grad_NF; with row weights
+    w_N, dw_NB[n, b] is column block b's part of the weight's gradient (B = the grid's column
+    blocks, `num_column_blocks`)."""
     N, F = grad_NF.shape
     cfg = config or launch_config(F)
     kernel = wrap(_swiglu_backward_kernel) if wrap else _swiglu_backward_kernel
+    w, dw = (dh_N2F, dh_N2F) if w_N is None else (w_N, dw_NB)  # dummy pointers when unused
     kernel[_grid(N, F, cfg)](
-        h_N2F, grad_NF, dh_N2F, N, F, h_N2F.stride(0), grad_NF.stride(0), **cfg
-    )
+        h_N2F, grad_NF, w, dh_N2F, dw, N, F, h_N2F.stride(0), grad_NF.stride(0),
+        HAS_WEIGHTS=w_N is not None, **cfg,
+    )  # fmt: skip
+
+
+def num_column_blocks(F: int, config=None) -> int:
+    """Programs along a row: the column blocks the weighted backward sums dw over."""
+    return _grid(1, F, config or launch_config(F))[1]
 
 
 def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -114,35 +145,55 @@ def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def _row_weights(name: str, w_N: torch.Tensor | None, N: int) -> torch.Tensor | None:
+    if w_N is None:
+        return None
+    if w_N.dtype != torch.float32 or w_N.shape != (N,):
+        raise ValueError(f"{name}: row weights must be float32 of shape ({N},), got {w_N.dtype} {tuple(w_N.shape)}")  # fmt: skip
+    return w_N.contiguous()
+
+
 def _register_ops() -> None:
     from torch.library import triton_op, wrap_triton
 
     @triton_op("moetrain::swiglu", mutates_args=())
-    def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of h = [gate | up], (N, F), in h's dtype."""
+    def swiglu(h_N2F: torch.Tensor, w_N: torch.Tensor | None) -> torch.Tensor:
+        """silu(gate) * up of h = [gate | up] (times w_N[n] per row when given), (N, F), in
+        h's dtype."""
         h_N2F = _rows("swiglu", h_N2F)
         if h_N2F.shape[1] % 2:
             raise ValueError(f"swiglu: h's last dim must be even, got {h_N2F.shape[1]}")
+        w_N = _row_weights("swiglu", w_N, h_N2F.shape[0])
         out_NF = h_N2F.new_empty((h_N2F.shape[0], h_N2F.shape[1] // 2))
         if out_NF.numel():
-            launch_forward(h_N2F, out_NF, wrap=wrap_triton)
+            launch_forward(h_N2F, out_NF, w_N, wrap=wrap_triton)
         return out_NF
 
     @triton_op("moetrain::swiglu_backward", mutates_args=())
-    def swiglu_backward(h_N2F: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
-        """[dgate | dup], (N, 2F), in h's dtype."""
+    def swiglu_backward(
+        h_N2F: torch.Tensor, grad_NF: torch.Tensor, w_N: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([dgate | dup], (N, 2F), in h's dtype; the fp32 gradient of the row weights, (N,),
+        or an empty tensor without weights)."""
         h_N2F, grad_NF = _rows("swiglu_backward", h_N2F), _rows("swiglu_backward", grad_NF)
+        N, F = grad_NF.shape
+        w_N = _row_weights("swiglu_backward", w_N, N)
         dh_N2F = h_N2F.new_empty(h_N2F.shape)
+        dw_NB = None if w_N is None else grad_NF.new_empty((N, num_column_blocks(F)), dtype=torch.float32)  # fmt: skip
         if dh_N2F.numel():
-            launch_backward(h_N2F, grad_NF, dh_N2F, wrap=wrap_triton)
-        return dh_N2F
+            launch_backward(h_N2F, grad_NF, dh_N2F, w_N, dw_NB, wrap=wrap_triton)
+        elif dw_NB is not None:
+            dw_NB.zero_()  # F = 0: empty sums
+        dw_N = grad_NF.new_empty((0,), dtype=torch.float32) if dw_NB is None else dw_NB.sum(1)
+        return dh_N2F, dw_N
 
     def setup(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
+        ctx.save_for_backward(*inputs)
 
     def backward(ctx, grad_NF):
-        (h_N2F,) = ctx.saved_tensors
-        return torch.ops.moetrain.swiglu_backward(h_N2F, grad_NF)
+        h_N2F, w_N = ctx.saved_tensors
+        dh_N2F, dw_N = torch.ops.moetrain.swiglu_backward(h_N2F, grad_NF, w_N)
+        return dh_N2F, (dw_N if w_N is not None else None)
 
     swiglu.register_autograd(backward, setup_context=setup)
 
@@ -156,8 +207,9 @@ def supports(h_N2F: torch.Tensor) -> bool:
     return triton_available() and h_N2F.dtype in _KERNEL_DTYPES
 
 
-def swiglu_triton(h_N2F: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, differentiable in h (op `moetrain::swiglu`)."""
+def swiglu_triton(h_N2F: torch.Tensor, w_N: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up (times the float32 row weights w_N when given), differentiable in h and
+    w_N (op `moetrain::swiglu`)."""
     if triton is None:
         raise RuntimeError("Triton is not installed: use moetrain.kernels.swiglu instead")
-    return torch.ops.moetrain.swiglu(h_N2F)
+    return torch.ops.moetrain.swiglu(h_N2F, w_N)

@@ -3,13 +3,17 @@
 Letters: T tokens, K top-k, D model dim, N rows handed to the experts, e local experts.
 
     rows_ND, offsets_e, handle = dispatcher.dispatch(x_TD, routing)
-    y_ND = experts(rows_ND, offsets_e)
+    y_ND = experts(rows_ND, offsets_e, handle.row_weights_N)
     y_TD = dispatcher.combine(y_ND, handle)
 
 `offsets_e` holds each local expert's cumulative END row (int32, on device), the layout
 `torch._grouped_mm` takes; rows past `offsets_e[-1]` are padding the experts may leave unwritten.
-`combine` weights each route's result by its router weight and sums a token's K results; a route
-that was dropped contributes zero. The MoE layer only sees this interface: expert parallelism swaps
+Each route's result is weighted by its router weight and a token's K results are summed; a route
+that was dropped contributes zero. Who applies the weights is the dispatcher's choice, stated by
+its handle: with `handle.row_weights_N` (the weights in row order) the experts scale their rows
+(inside the SwiGLU, before the linear down projection) and `combine` only sums, so its backward
+needs no saved expert outputs (the LocalDispatcher); with None, `combine` weights (the
+expert-parallel dispatchers, whose rows cross ranks without their weights). The MoE layer only sees this interface: expert parallelism swaps
 in dispatchers that move rows between ranks (moetrain.parallel), without touching model code.
 """
 
@@ -20,15 +24,20 @@ from typing import Any, Protocol
 
 import torch
 
-from moetrain.kernels.gather import combine_routes, gather_routes, weighted_sum_reference
+from moetrain.kernels.gather import gather_routes, sum_routes, weighted_sum_reference
 from moetrain.moe.payload import check_payload, fp8_round_trip
 from moetrain.moe.router import RoutingResult
+
+
+class DispatchHandle(Protocol):
+    # the router weight of each row, for the experts to apply; None: combine applies them
+    row_weights_N: torch.Tensor | None
 
 
 class Dispatcher(Protocol):
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]: ...
 
     def combine(self, y_ND: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
@@ -37,14 +46,17 @@ class Dispatcher(Protocol):
 class LocalHandle:
     order_N: torch.Tensor  # flat (token, k) route index of each expert-ordered row
     inverse_order_TK: torch.Tensor  # position in the expert-ordered rows of each (token, k) route
-    weights_TK: torch.Tensor
+    row_weights_N: torch.Tensor  # router weight of each row (the experts apply it)
 
 
 class LocalDispatcher:
     """All experts on this device. A stable sort of the T*K routes by expert id gives the row
     order (ties keep token order, so the result is deterministic). The row movements are
     `moetrain.kernels.gather`: Triton kernels near memory bandwidth on GPU (every backward is a
-    gather too: no scatter, no atomics), plain torch elsewhere.
+    gather too: no scatter, no atomics), plain torch elsewhere. The handle gives the experts the
+    router weights in row order and `combine` only sums: the weighted combine's backward read
+    the (T*K, D) expert outputs back for the weights' gradient and kept them alive until then
+    (268 MB a layer of `small`); the experts' SwiGLU takes that gradient from values it holds.
     `payload="fp8"`: nothing leaves the device, so only the FP8 rounding of the rows is applied
     (before the K-fold gather: T rows quantized, not T*K), which keeps a run's numerics the same
     with and without expert parallelism."""
@@ -63,10 +75,11 @@ class LocalDispatcher:
         inverse_TK = inverse_permutation(order_N).view(num_tokens, top_k)
         rows_ND = gather_routes(x_TD, order_N, inverse_TK)
         offsets_e = routing.tokens_per_expert_E.cumsum(0).to(torch.int32)
-        return rows_ND, offsets_e, LocalHandle(order_N, inverse_TK, routing.weights_TK)
+        row_weights_N = permute_routes(routing.weights_TK.reshape(-1), order_N, inverse_TK)
+        return rows_ND, offsets_e, LocalHandle(order_N, inverse_TK, row_weights_N)
 
     def combine(self, y_ND: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
-        return combine_routes(y_ND, handle.order_N, handle.inverse_order_TK, handle.weights_TK)
+        return sum_routes(y_ND, handle.order_N, handle.inverse_order_TK)
 
 
 def sort_routes(expert_ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -82,6 +95,26 @@ def inverse_permutation(order_N: torch.Tensor) -> torch.Tensor:
     """inverse[order[i]] = i: one scatter of distinct indices (deterministic; no sort)."""
     positions_N = torch.arange(order_N.shape[0], device=order_N.device, dtype=order_N.dtype)
     return torch.empty_like(order_N).scatter_(0, order_N, positions_N)
+
+
+class _PermuteRoutes(torch.autograd.Function):
+    """out[n] = v[order[n]] for a permutation; backward is the gather by its inverse (the generic
+    index backward would scatter-add, which sorts on GPU)."""
+
+    @staticmethod
+    def forward(ctx, v_N, order_N, inverse_N):  # type: ignore[override]
+        ctx.save_for_backward(inverse_N)
+        return v_N[order_N]
+
+    @staticmethod
+    def backward(ctx, grad_N):  # type: ignore[override]
+        (inverse_N,) = ctx.saved_tensors
+        return grad_N[inverse_N], None, None
+
+
+def permute_routes(v_N: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """A per-route vector (flat (token, k) order) in expert-row order, differentiable."""
+    return _PermuteRoutes.apply(v_N, order_N, inverse_TK.reshape(-1))
 
 
 class _WeightedSumOfRoutes(torch.autograd.Function):

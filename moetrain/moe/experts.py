@@ -2,8 +2,12 @@
 
 Letters: N rows (grouped by expert), D model dim, F expert hidden, e local experts.
     h_N2F = rows_ND @ w_up_eD2F[expert of row]      (gate and up fused: [gate | up])
-    y_ND  = swiglu(h_N2F) @ w_down_eFD[expert of row]  (silu(gate) * up, moetrain.kernels.swiglu)
-Both products are one `torch._grouped_mm` each, driven by device-side offsets. The GEMM is a
+    y_ND  = swiglu(h_N2F, w_N) @ w_down_eFD[expert of row]
+                                   (w * silu(gate) * up, moetrain.kernels.swiglu)
+Both products are one `torch._grouped_mm` each, driven by device-side offsets. The optional row
+weights w_N are the router weights of the rows, handed over by a dispatcher whose combine then
+only sums (LocalDispatcher): applied inside the SwiGLU, before the linear down projection, they
+give the same result as weighting y, while the combine's backward needs no saved y. The GEMM is a
 swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); `grouped_mm_reference` is the
 obvious loop over experts that tests compare against. Weights are indexed by global expert id
 minus `expert_offset`, so expert parallelism only changes which slice of experts a rank holds.
@@ -53,6 +57,8 @@ class GroupedExperts(nn.Module):
         self.w_down_eFD = nn.Parameter(torch.empty(num_experts, hidden, d_model))
         self.gemm = gemm
 
-    def forward(self, rows_ND: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, rows_ND: torch.Tensor, offsets_e: torch.Tensor, w_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
         h_N2F = self.gemm(rows_ND, self.w_up_eD2F, offsets_e)
-        return self.gemm(swiglu(h_N2F), self.w_down_eFD, offsets_e)
+        return self.gemm(swiglu(h_N2F, w_N), self.w_down_eFD, offsets_e)

@@ -83,7 +83,7 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.router(x_TD)
         rows_ND, offsets_e, handle = self.dispatcher.dispatch(x_TD, routing)
-        y_ND = self.experts(rows_ND, offsets_e)
+        y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N)
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)

@@ -82,6 +82,7 @@ class AllToAllHandle:
     recv_to_expert_major_R: torch.Tensor  # position in rows_ND of each received row
     send_splits: list[int]
     recv_splits: list[int]
+    row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
 
 
 def _sync_split_sizes(
@@ -186,6 +187,7 @@ class NoSyncHandle:
     send_row_TK: torch.Tensor  # row of each route in the send buffer; dropped: the sink row
     recv_to_expert_major_R: torch.Tensor  # position in rows_ND of each received row
     weights_TK: torch.Tensor
+    row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
 
 
 class NoSyncDispatcher:

@@ -177,8 +177,10 @@ def block_activation_bytes(
       (x width); the log-sum-exp 4 T N; RoPE's cos and sin, a S x H each.
     - router: fp32 logits and softmax 8 T E, z-loss log-sum-exp 4 T, a 4 E count vector.
     - MoE: three int64 index tensors 24 T K; dispatched rows a R T D; gate|up output 2 a R T F,
-      the swiglu output a R T F (it saves only gate|up); combine's gathered outputs a T K D and fp32 weights 4 T K;
-      the experts' offsets 4 e. Shared experts / dense MLP: 4 a T hidden.
+      the swiglu output a R T F (it saves only gate|up); the fp32 router weights 4 T K (saved by
+      the swiglu, which applies them, or under expert parallelism by the combine, which then
+      also keeps its gathered outputs a T K D); the experts' offsets 4 e. Shared experts /
+      dense MLP: 4 a T hidden.
     """
     m, moe_cfg = config.model, config.moe
     a = precision_bytes(config).activation
@@ -203,7 +205,8 @@ def block_activation_bytes(
     E, K, F = moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.expert_hidden
     R = routed_rows_per_token(config, ep)
     ffn += 8 * T * E + 4 * T + 4 * E  # router
-    ffn += 24 * T * K + a * T * K * D + 4 * T * K + 4 * (E // ep)  # dispatch and combine
+    combine_outputs = a * T * K * D if ep > 1 else 0
+    ffn += 24 * T * K + combine_outputs + 4 * T * K + 4 * (E // ep)  # dispatch and combine
     ffn += int(a * R * T * (D + 3 * F))  # rows, gate|up (the swiglu's only save), its output
     ffn += 4 * a * T * F * moe_cfg.num_shared_experts
     return attention, norm(D), ffn

@@ -183,6 +183,28 @@ def check_triton_ops(T, K, D, dtype, device, seed=0):
     # weights that need no gradient take the kernel path that skips the dot products
     out = gather_triton.combine_routes_triton(y, inverse_TK, w.detach())
     assert torch.equal(torch.autograd.grad(out, y, g)[0], grad_y)
+    # the unweighted sum (rows the experts weighted): the gather's backward, and its backward
+    # is the gather
+    out = gather_triton.sum_routes_triton(y, inverse_TK)
+    assert out.dtype == dtype and out.shape == (T, D)
+    exact = gather_routes_backward_reference(y.double(), inverse_TK)
+    scale = gather_routes_backward_reference(y.double().abs(), inverse_TK)
+    assert_within(out, exact, scale, dtype)
+    (grad_y,) = torch.autograd.grad(out, y, g)
+    assert torch.equal(grad_y, gather_routes_reference(g, order_N, inverse_TK))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_routes_on_cpu_sums_each_tokens_rows_and_spreads_its_gradient(dtype):
+    T, K, D = 37, 3, 20
+    order_N, inverse_TK = make_routes(T, K, seed=7)
+    y = randn(T * K, D, dtype=dtype, seed=8).requires_grad_()
+    out = gather.sum_routes(y, order_N, inverse_TK)
+    loop = torch.stack([sum(y[n].double() for n in inverse_TK[t].tolist()) for t in range(T)])
+    assert_within(out, loop, y.detach().double().abs()[inverse_TK].sum(1), dtype)
+    g = randn(T, D, dtype=dtype, seed=9)
+    (grad_y,) = torch.autograd.grad(out, y, g)
+    assert torch.equal(grad_y, g[order_N // K])
 
 
 @needs_interpreter

@@ -16,7 +16,12 @@ from conftest import (
     run_interpreted_tests,
 )
 
-from moetrain.kernels.swiglu import swiglu, swiglu_backward_reference, swiglu_reference
+from moetrain.kernels.swiglu import (
+    swiglu,
+    swiglu_backward_reference,
+    swiglu_reference,
+    weighted_swiglu_backward_reference,
+)
 
 
 def randn(*shape, dtype=torch.float32, seed=0, device="cpu", scale=2.0):
@@ -41,6 +46,31 @@ def scales(h_N2F, grad_NF):
     return gate * s * up, torch.cat([g * up * s * (1 + gate * (1 - s)), g * gate * s], dim=-1)
 
 
+def exact_weighted(h_N2F, w_N, grad_NF):
+    """float64 autograd of w * silu(g) * u: (out, grad_h, grad_w)."""
+    h = h_N2F.detach().double().requires_grad_()
+    w = w_N.detach().double().requires_grad_()
+    gate, up = h.chunk(2, dim=-1)
+    out = F.silu(gate) * up * w[:, None]
+    grad_h, grad_w = torch.autograd.grad(out, (h, w), grad_NF.double())
+    return out.detach(), grad_h, grad_w
+
+
+def weighted_scales(h_N2F, w_N, grad_NF):
+    """`scales` times |w| per row, and the sum of |grad * silu(g) * u| over a row (dw's terms)."""
+    scale_out, scale_grad = scales(h_N2F, grad_NF)
+    abs_w = w_N.double().abs()[:, None]
+    gate, up = h_N2F.double().chunk(2, dim=-1)
+    scale_w = (grad_NF.double().abs() * (gate * torch.sigmoid(gate) * up).abs()).sum(-1)
+    return scale_out * abs_w, scale_grad * abs_w, scale_w
+
+
+def row_weights(N, seed=0, device="cpu", dtype=torch.float32):
+    """Router-like weights in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(N, generator=gen).to(dtype=dtype, device=device)
+
+
 # --- references and the CPU autograd Function --------------------------------------------------
 
 
@@ -60,6 +90,44 @@ def test_references_match_float64_autograd(N, F_, dtype):
         scale_out, scale_grad = scales(h, g)
         assert_within(out, exact_out, scale_out, dtype, ulps=0.5)
         assert_within(grad_h, exact_grad, scale_grad, dtype, ulps=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,F_", [(1, 3), (37, 17), (8, 64)])
+def test_weighted_references_match_float64_autograd(N, F_, dtype):
+    h = randn(N, 2 * F_, dtype=dtype, seed=N + F_)
+    g = randn(N, F_, dtype=dtype, seed=N + F_ + 1)
+    w = row_weights(N, seed=N, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    out = swiglu_reference(h, w)
+    grad_h, grad_w = weighted_swiglu_backward_reference(h, g, w)
+    assert out.dtype == grad_h.dtype == dtype and grad_w.dtype == w.dtype
+    exact_out, exact_grad, exact_w = exact_weighted(h, w, g)
+    if dtype == torch.float64:
+        for got, want in ((out, exact_out), (grad_h, exact_grad), (grad_w, exact_w)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    else:
+        scale_out, scale_grad, scale_w = weighted_scales(h, w, g)
+        assert_within(out, exact_out, scale_out, dtype, ulps=0.5)
+        assert_within(grad_h, exact_grad, scale_grad, dtype, ulps=0.5)
+        assert_within(grad_w, exact_w, scale_w, torch.float32, ulps=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_swiglu_on_cpu_is_the_references(dtype):
+    h = randn(37, 34, dtype=dtype, seed=3).requires_grad_()
+    w = row_weights(37, seed=4).requires_grad_()
+    g = randn(37, 17, dtype=dtype, seed=5)
+    out = swiglu(h, w)
+    assert torch.equal(out, swiglu_reference(h.detach(), w.detach()))
+    grad_h, grad_w = torch.autograd.grad(out, (h, w), g)
+    ref_h, ref_w = weighted_swiglu_backward_reference(h.detach(), g, w.detach())
+    assert torch.equal(grad_h, ref_h) and torch.equal(grad_w, ref_w)
+
+
+def test_weighted_swiglu_passes_gradcheck():
+    h = randn(5, 14, dtype=torch.float64, seed=5).requires_grad_()
+    w = row_weights(5, seed=6, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(swiglu, (h, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,6 +159,9 @@ def test_swiglu_saves_only_its_input():
     h = x @ randn(8, 40, dtype=torch.bfloat16, seed=7)
     nbytes, only_h = saved_bytes(swiglu, h)
     assert only_h and nbytes == h.numel() * h.element_size()
+    w = row_weights(16, seed=8).requires_grad_()
+    nbytes, _ = saved_bytes(lambda h: swiglu(h, w), h)
+    assert nbytes == h.numel() * h.element_size() + w.numel() * w.element_size()
 
 
 @pytest.mark.parametrize(
@@ -102,16 +173,17 @@ def test_swiglu_rejects_other_layouts(h):
 
 
 def test_swiglu_compiles_fullgraph_on_cpu():
-    def layer(x, w_up, w_down):
-        return swiglu(x @ w_up) @ w_down
+    def layer(x, w_up, w_down, w_rows):
+        return swiglu(x @ w_up, w_rows) @ w_down
 
     def run(fn):
         x = randn(64, 32, seed=8).requires_grad_()
         w_up = (randn(32, 96, seed=9) / 8).requires_grad_()
         w_down = (randn(48, 32, seed=10) / 8).requires_grad_()
-        out = fn(x, w_up, w_down)
+        w_rows = row_weights(64, seed=11).requires_grad_()
+        out = fn(x, w_up, w_down, w_rows)
         out.square().sum().backward()
-        return out, x.grad, w_up.grad, w_down.grad
+        return out, x.grad, w_up.grad, w_down.grad, w_rows.grad
 
     torch._dynamo.reset()
     compiled = run(torch.compile(layer, fullgraph=True))
@@ -128,11 +200,36 @@ def test_swiglu_triton_module_imports_without_triton():
 # --- Triton ops == references ------------------------------------------------------------------
 
 
+def check_weighted_triton_ops(N, F_, dtype, device, seed=0):
+    """The op with row weights: out, grad_h and grad_w against the references and float64 (grad_w
+    within one fp32 ulp plus the fp32 rounding of its row sum)."""
+    from moetrain.kernels.swiglu_triton import swiglu_triton
+
+    h = randn(N, 2 * F_, dtype=dtype, seed=seed, device=device).requires_grad_()
+    w = row_weights(N, seed=seed + 2, device=device).requires_grad_()
+    g = randn(N, F_, dtype=dtype, seed=seed + 1, device=device)
+    out = swiglu_triton(h, w)
+    grad_h, grad_w = torch.autograd.grad(out, (h, w), g)
+    assert out.dtype == grad_h.dtype == dtype and grad_w.dtype == torch.float32
+    hd, wd = h.detach(), w.detach()
+    scale_out, scale_grad, scale_w = weighted_scales(hd, wd, g)
+    exact_out, exact_grad, exact_w = exact_weighted(hd, wd, g)
+    ref_grad, ref_w = weighted_swiglu_backward_reference(hd, g, wd)
+    assert_within(out, swiglu_reference(hd, wd), scale_out, dtype)
+    assert_within(out, exact_out, scale_out, dtype)
+    assert_within(grad_h, ref_grad, scale_grad, dtype)
+    assert_within(grad_h, exact_grad, scale_grad, dtype)
+    assert_within(grad_w, ref_w, scale_w, torch.float32)
+    assert_within(grad_w, exact_w, scale_w, torch.float32)
+
+
 def check_triton_ops(N, F_, dtype, device, seed=0):
     """Forward and backward of the Triton op, through autograd, against the fp32 references
     (within one ulp: both round fp32 values that differ by a few fp32 ulps, from different exp
     and division code, and the interpreter truncates where CUDA rounds to nearest) and against
-    float64 on the same inputs; a strided h and an expanded gradient give the same bits."""
+    float64 on the same inputs; a strided h and an expanded gradient give the same bits. The
+    same with row weights."""
+    check_weighted_triton_ops(N, F_, dtype, device, seed)
     from moetrain.kernels.swiglu_triton import swiglu_triton
 
     wide = randn(N, 2 * F_ + 16, dtype=dtype, seed=seed, device=device)
@@ -200,23 +297,29 @@ def test_triton_op_saves_only_its_input_and_passes_opcheck():
     g = randn(64, 48, dtype=torch.bfloat16, seed=1, device="cuda")
     nbytes, only_h = saved_bytes(swiglu, h)
     assert only_h and nbytes == h.numel() * h.element_size()
-    torch.library.opcheck(torch.ops.moetrain.swiglu.default, (h,))
+    w = row_weights(64, seed=2, device="cuda").requires_grad_()
+    nbytes, _ = saved_bytes(lambda h: swiglu(h, w), h)
+    assert nbytes == h.numel() * h.element_size() + w.numel() * w.element_size()
+    torch.library.opcheck(torch.ops.moetrain.swiglu.default, (h, None))
+    torch.library.opcheck(torch.ops.moetrain.swiglu.default, (h, w))
     # the backward op has no autograd formula of its own (no double backward)
-    torch.library.opcheck(torch.ops.moetrain.swiglu_backward.default, (h.detach(), g))
+    for w_ in (None, w.detach()):
+        torch.library.opcheck(torch.ops.moetrain.swiglu_backward.default, (h.detach(), g, w_))
 
 
 @pytest.mark.gpu
 @gpu
 def test_triton_op_under_torch_compile_fullgraph():
-    def layer(x, w_up, w_down):
-        return swiglu(x @ w_up) @ w_down * 2.0
+    def layer(x, w_up, w_down, w_rows):
+        return swiglu(x @ w_up, w_rows) @ w_down * 2.0
 
     def run(fn):  # fp32, so that eager and Inductor's GEMMs agree closely
         x = randn(512, 256, seed=1, device="cuda").requires_grad_()
         w_up = (randn(256, 1024, seed=2, device="cuda") / 32).requires_grad_()
         w_down = (randn(512, 256, seed=3, device="cuda") / 32).requires_grad_()
-        out = fn(x, w_up, w_down)
+        w_rows = row_weights(512, seed=4, device="cuda").requires_grad_()
+        out = fn(x, w_up, w_down, w_rows)
         out.square().sum().backward()
-        return out, x.grad, w_up.grad, w_down.grad
+        return out, x.grad, w_up.grad, w_down.grad, w_rows.grad
 
     assert_compiled_matches_eager(layer, run)

@@ -98,6 +98,14 @@ def test_swiglu_kernels_write_only_their_outputs(F_):
     assert_writes_only(
         lambda w: s.launch_backward(h, grad, torch.empty_like(h), wrap=w), {"dh_ptr"}
     )
+    w_N, dw = torch.rand(64), torch.empty(64, s.num_column_blocks(F_))
+    assert_writes_only(
+        lambda w: s.launch_forward(h, torch.empty_like(grad), w_N, wrap=w), {"out_ptr"}
+    )
+    assert_writes_only(
+        lambda w: s.launch_backward(h, grad, torch.empty_like(h), w_N, dw, wrap=w),
+        {"dh_ptr", "dw_ptr"},
+    )
 
 
 @pytest.mark.parametrize("D", [1024, 8192 + 64])  # one block per row, and several

@@ -106,7 +106,7 @@ def test_no_sync_at_ep1_matches_local_dispatch_without_host_syncs(monkeypatch):
     def run(dispatcher):
         x_TD, w_TK = x[0].clone().requires_grad_(), w[0].clone().requires_grad_()
         rows, offsets, handle = dispatcher.dispatch(x_TD, make_routing(ids[0], w_TK))
-        y_TD = dispatcher.combine(experts(rows, offsets), handle)
+        y_TD = dispatcher.combine(experts(rows, offsets, handle.row_weights_N), handle)
         y_TD.backward(grad_TD)
         return y_TD.detach(), x_TD.grad, w_TK.grad
 
