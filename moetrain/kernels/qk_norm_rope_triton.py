@@ -1,11 +1,11 @@
 """Attention's qk-norm and RoPE fused in one Triton kernel each way, as `torch.library.triton_op`s
-`moetrain::qk_norm_rope` and `moetrain::qk_norm_rope_backward` (plain-torch twin:
-`moetrain.nn.attention.qk_norm_rope_reference`).
+`moetrain::qkv_norm_rope` and `moetrain::qkv_norm_rope_backward` over the fused projection
+qkv = [q | k | v] (plain-torch twin: `moetrain.nn.attention.qk_norm_rope_reference`, per tensor).
 
-Letters: B batch, S sequence, N heads, H head dim, D = N*H, M = B*S rows, C = D/2 rotation pairs,
-P programs. x_BSD is a q or k projection; the RMSNorm runs over the whole row (all heads), then
-each head's halves [a | b] rotate by the angle of the row's position s (its index along S), with
-the fp32 tables cos_SH, sin_SH of `RotaryEmbedding` (S, H/2):
+Letters: B batch, S sequence, N heads, H head dim, D = N*H (q's width; k and v are kv wide),
+M = B*S rows, C = D/2 rotation pairs, P programs. The RMSNorm runs over the whole row of q (all
+heads), and of k, then each head's halves [a | b] rotate by the angle of the row's position s (its
+index along S), with the fp32 tables cos_SH, sin_SH of `RotaryEmbedding` (S, H/2):
 
     a', b' = (x * rstd * weight) at columns n*H + i and n*H + H/2 + i     # pair c = n*H/2 + i
     y_a = a' cos - b' sin,  y_b = b' cos + a' sin                         # fp32, rounded once
@@ -13,6 +13,11 @@ the fp32 tables cos_SH, sin_SH of `RotaryEmbedding` (S, H/2):
 The backward rotates grad_y back (g_a = gy_a cos + gy_b sin, g_b = gy_b cos - gy_a sin) and runs
 the RMSNorm backward on g: grad_x = rstd * (gw - x_hat * mean(gw *
 x_hat)), gw = g * weight, x_hat = x * rstd; grad_weight = sum over rows of g * x_hat.
+
+The op reads q and k straight out of the projection's rows (row stride D + 2 kv) and returns q, k
+and v contiguous; the k launch copies v's rows on the way, so SDPA sees three dense tensors. Its
+backward writes the whole (M, D + 2 kv) gradient of the projection in its two launches (q's part,
+then k's and v's), so the one GEMM of the fused projection takes it with no `cat` in between.
 
 Inductor's version rounds q to bf16 between norm and RoPE and splits each direction into several
 kernels (58 us forward; 61 + 2 x 36 us backward per layer of `small`, M = 16384, D = 1024, bf16,
@@ -23,14 +28,14 @@ and the row's fp32 rstd (4 bytes an element for bf16: 67 MB, ~14 us at 4.8 TB/s 
 MB, ~21 us each for q and k), walking TILES_PER_PROGRAM tiles with an fp32 grad_weight
 accumulator that lands in row p of a (P, D) buffer the op sums (2 MB; no atomics, deterministic).
 The tables (256 KB each at S = 2048) are re-read per head from L1/L2, not from memory. Measured
-in the `small` step on the H200: 31 us forward and 37 us backward per tensor (about half of the
-bandwidth; 136 against 191 us a layer before). A pair's columns are contiguous within a half head, so
-with H/2 a multiple of 8 loads and stores are 16-byte vectors. Row offsets are int64; pair tails
-(C not a power of two) are masked.
+in the `small` step on the H200 (separate q and k ops, session 4): 31 us forward and 37 us
+backward per tensor (about half of the bandwidth). A pair's columns are contiguous within a half
+head, so with H/2 a multiple of 8 loads and stores are 16-byte vectors. Row offsets are int64;
+pair tails (C not a power of two) are masked.
 
 The kernels call no other jitted function (torch's mutation analysis of user kernels gives up on
-calls and would mark every argument as written). Autograd saves x, weight, rstd and the tables,
-not y. Without Triton the module imports and registers nothing.
+calls and would mark every argument as written). Autograd saves qkv, the weights, rstd and the
+tables, not q, k or v. Without Triton the module imports and registers nothing.
 """
 
 from __future__ import annotations
@@ -53,11 +58,13 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @_jit
 def _qk_norm_rope_forward_kernel(
-    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr,
-    num_rows, seq_len, D, stride_x, stride_table, eps,
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr, copy_src_ptr, copy_dst_ptr,
+    num_rows, seq_len, D, stride_x, stride_table, stride_copy_src, eps,
     HALF_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_C: tl.constexpr,
+    HAS_COPY: tl.constexpr,
 ):  # fmt: skip
-    """y and rstd of BLOCK_M rows."""
+    """y and rstd of BLOCK_M rows; with HAS_COPY also the same rows of another (rows, D) tensor
+    copied to a contiguous one (attention's v, while its rows are at hand)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < num_rows
     pairs = tl.arange(0, BLOCK_C)
@@ -80,16 +87,25 @@ def _qk_norm_rope_forward_kernel(
     tl.store(y_ptrs, (a * cos - b * sin).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(y_ptrs + HALF_H, (b * cos + a * sin).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if HAS_COPY:
+        src_ptrs = copy_src_ptr + rows[:, None] * stride_copy_src + col_a[None, :]
+        dst_ptrs = copy_dst_ptr + rows[:, None] * D + col_a[None, :]
+        tl.store(dst_ptrs, tl.load(src_ptrs, mask=mask, other=0.0), mask=mask)
+        tl.store(dst_ptrs + HALF_H, tl.load(src_ptrs + HALF_H, mask=mask, other=0.0), mask=mask)
 
 
 @_jit
 def _qk_norm_rope_backward_kernel(
     grad_y_ptr, x_ptr, weight_ptr, rstd_ptr, cos_ptr, sin_ptr, grad_x_ptr, partial_ptr,
-    num_rows, seq_len, D, stride_grad_y, stride_x, stride_table,
+    copy_src_ptr, num_rows, seq_len, D, stride_grad_y, stride_x, stride_table, stride_grad_x,
+    grad_x_col, stride_copy_src, copy_col,
     HALF_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr, EVEN_C: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, EVEN_C: tl.constexpr, HAS_COPY: tl.constexpr,
 ):  # fmt: skip
-    """grad_x of TILES_PER_PROGRAM tiles of BLOCK_M rows; the tiles' grad_weight in partial[p]."""
+    """grad_x of TILES_PER_PROGRAM tiles of BLOCK_M rows, at column grad_x_col of rows of
+    stride_grad_x (a slice of attention's qkv gradient); the tiles' grad_weight in partial[p].
+    With HAS_COPY the same rows of another (rows, D) tensor land at column copy_col of grad_x's
+    rows (v's gradient, so that the whole qkv gradient is written here)."""
     pid = tl.program_id(0)
     pairs = tl.arange(0, BLOCK_C)
     pair_mask = pairs < D // 2
@@ -123,9 +139,17 @@ def _qk_norm_rope_backward_kernel(
         mean = tl.sum(gw_a * x_a + gw_b * x_b, axis=1) / D
         grad_a = rstd[:, None] * (gw_a - x_a * mean[:, None])
         grad_b = rstd[:, None] * (gw_b - x_b * mean[:, None])
-        grad_x_ptrs = grad_x_ptr + rows[:, None] * D + col_a[None, :]
+        out_rows = grad_x_ptr + rows[:, None] * stride_grad_x
+        grad_x_ptrs = out_rows + grad_x_col + col_a[None, :]
         tl.store(grad_x_ptrs, grad_a.to(grad_x_ptr.dtype.element_ty), mask=mask)
         tl.store(grad_x_ptrs + HALF_H, grad_b.to(grad_x_ptr.dtype.element_ty), mask=mask)
+        if HAS_COPY:
+            src_ptrs = copy_src_ptr + rows[:, None] * stride_copy_src + col_a[None, :]
+            dst_ptrs = out_rows + copy_col + col_a[None, :]
+            c_a = tl.load(src_ptrs, mask=mask, other=0.0)
+            c_b = tl.load(src_ptrs + HALF_H, mask=mask, other=0.0)
+            tl.store(dst_ptrs, c_a.to(grad_x_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst_ptrs + HALF_H, c_b.to(grad_x_ptr.dtype.element_ty), mask=mask)
         grad_w_a += g_a * x_a
         grad_w_b += g_b * x_b
     partial_ptrs = partial_ptr + pid * D + col_a
@@ -165,14 +189,14 @@ def num_programs(D: int, num_rows: int, device: torch.device) -> int:
     return max(1, triton.cdiv(num_rows, rows))
 
 
-def rows_of(name: str, t: torch.Tensor, D: int) -> torch.Tensor:
+def rows_of(name: str, t: torch.Tensor, D: int, max_width: int = MAX_D) -> torch.Tensor:
     """t as (rows, D), contiguous in its last dim (the kernels take any row stride)."""
     if t.device.type == "cpu" and not _interpreting():
         raise ValueError(f"{name}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1)")
     if t.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name}: expected bf16, fp16 or fp32, got {t.dtype}")
-    if D > MAX_D:
-        raise ValueError(f"{name}: rows of {D} > MAX_D = {MAX_D} elements")
+    if D > max_width:
+        raise ValueError(f"{name}: rows of {D} > {max_width} elements")
     t = t.reshape(-1, D)
     return t if t.stride(1) == 1 else t.contiguous()
 
@@ -189,130 +213,168 @@ def launch_config(D: int, tile: int = TILE) -> dict:
 
 
 def launch_qk_norm_rope_forward(
-    x_MD, weight_D, cos_SH, sin_SH, y_MD, rstd_M, seq_len, head_dim, eps, config=None, wrap=None
-):
-    """y_MD and rstd_M of x_MD, whose row m sits at position m % seq_len (contiguous tables).
-    `wrap` is `wrap_triton` inside an op."""
+    x_MD, weight_D, cos_SH, sin_SH, y_MD, rstd_M, seq_len, head_dim, eps, config=None, wrap=None,
+    copy=None,
+):  # fmt: skip
+    """y_MD and rstd_M of x_MD, whose row m sits at position m % seq_len (contiguous tables);
+    copy = (src_MD, dst_MD) also copies src's rows to the contiguous dst (both D wide). `wrap`
+    is `wrap_triton` inside an op."""
     num_rows, D = x_MD.shape
     cfg = config or launch_config(D)
     kernel = wrap(_qk_norm_rope_forward_kernel) if wrap else _qk_norm_rope_forward_kernel
+    src, dst = copy if copy is not None else (y_MD, y_MD)  # dummy pointers when unused
     kernel[(triton.cdiv(num_rows, cfg["BLOCK_M"]),)](
-        x_MD, weight_D, cos_SH, sin_SH, y_MD, rstd_M,
-        num_rows, seq_len, D, x_MD.stride(0), cos_SH.stride(0), eps, HALF_H=head_dim // 2, **cfg,
+        x_MD, weight_D, cos_SH, sin_SH, y_MD, rstd_M, src, dst,
+        num_rows, seq_len, D, x_MD.stride(0), cos_SH.stride(0), src.stride(0), eps,
+        HALF_H=head_dim // 2, HAS_COPY=copy is not None, **cfg,
     )  # fmt: skip
 
 
 def launch_qk_norm_rope_backward(
-    grad_y_MD, x_MD, weight_D, rstd_M, cos_SH, sin_SH, grad_x_MD, partial_PD, seq_len, head_dim,
-    config=None, wrap=None,
+    grad_y_MD, x_MD, weight_D, rstd_M, cos_SH, sin_SH, grad_x_MC, partial_PD, seq_len, head_dim,
+    config=None, wrap=None, grad_x_col=0, copy=None,
 ):  # fmt: skip
-    """grad_x_MD and, per program p, partial_PD[p] = its rows' part of grad_weight. One program
-    per row of partial_PD."""
+    """grad_x into columns [grad_x_col, grad_x_col + D) of the rows of grad_x_MC and, per
+    program p, partial_PD[p] = its rows' part of grad_weight (one program per row of
+    partial_PD); copy = (src_MD, col) also copies src's rows to columns [col, col + D) of
+    grad_x_MC."""
     num_rows, D = x_MD.shape
     cfg = config or launch_config(D)
     if "TILES_PER_PROGRAM" not in cfg:
         tiles = tiles_per_program(num_rows, cfg["BLOCK_M"], partial_PD.shape[0])
         cfg = dict(cfg, TILES_PER_PROGRAM=tiles)
     kernel = wrap(_qk_norm_rope_backward_kernel) if wrap else _qk_norm_rope_backward_kernel
+    src, copy_col = copy if copy is not None else (grad_y_MD, 0)  # a dummy pointer when unused
     kernel[(partial_PD.shape[0],)](
-        grad_y_MD, x_MD, weight_D, rstd_M, cos_SH, sin_SH, grad_x_MD, partial_PD,
+        grad_y_MD, x_MD, weight_D, rstd_M, cos_SH, sin_SH, grad_x_MC, partial_PD, src,
         num_rows, seq_len, D, grad_y_MD.stride(0), x_MD.stride(0), cos_SH.stride(0),
-        HALF_H=head_dim // 2, **cfg,
+        grad_x_MC.stride(0), grad_x_col, src.stride(0), copy_col,
+        HALF_H=head_dim // 2, HAS_COPY=copy is not None, **cfg,
     )  # fmt: skip
 
 
-def _check(name: str, x_BSD: torch.Tensor, cos_SH: torch.Tensor, head_dim: int) -> None:
-    if x_BSD.dim() != 3 or head_dim % 2 or x_BSD.shape[-1] % head_dim:
-        raise ValueError(f"{name}: x must be (B, S, N * head_dim) with an even head_dim = {head_dim}, got {tuple(x_BSD.shape)}")  # fmt: skip
-    if cos_SH.shape[0] < x_BSD.shape[1] or cos_SH.shape[1] != head_dim // 2:
-        raise ValueError(f"{name}: tables of shape {tuple(cos_SH.shape)} do not cover S = {x_BSD.shape[1]}, H / 2 = {head_dim // 2}")  # fmt: skip
+def _check(
+    name: str, qkv: torch.Tensor, cos_SH: torch.Tensor, head_dim: int, kv_width: int
+) -> tuple[int, int]:
+    """(q width, kv width) of a valid (B, S, q + 2 kv) projection."""
+    if qkv.dim() != 3 or head_dim % 2 or kv_width <= 0 or kv_width % head_dim:
+        raise ValueError(f"{name}: qkv must be (B, S, q + 2 kv) with kv = {kv_width} a multiple of an even head_dim = {head_dim}, got {tuple(qkv.shape)}")  # fmt: skip
+    q_width = qkv.shape[-1] - 2 * kv_width
+    if q_width <= 0 or q_width % head_dim or max(q_width, kv_width) > MAX_D:
+        raise ValueError(f"{name}: q width {q_width} must be a positive multiple of head_dim = {head_dim}, at most MAX_D = {MAX_D}")  # fmt: skip
+    if cos_SH.shape[0] < qkv.shape[1] or cos_SH.shape[1] != head_dim // 2:
+        raise ValueError(f"{name}: tables of shape {tuple(cos_SH.shape)} do not cover S = {qkv.shape[1]}, H / 2 = {head_dim // 2}")  # fmt: skip
     if cos_SH.dtype != torch.float32:
         raise TypeError(f"{name}: tables must be float32, got {cos_SH.dtype}")
+    return q_width, kv_width
 
 
 def _register_ops() -> None:
     from torch.library import triton_op, wrap_triton
 
-    @triton_op("moetrain::qk_norm_rope", mutates_args=())
-    def qk_norm_rope(
-        x: torch.Tensor, weight: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor,
-        head_dim: int, eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(y of x's shape and dtype, fp32 rstd of shape (B, S, 1))."""
-        _check("qk_norm_rope", x, cos_SH, head_dim)
-        B, S, D = x.shape
-        x_MD = rows_of("qk_norm_rope", x, D)
-        y = x.new_empty(x.shape)
-        rstd = x.new_empty((B, S, 1), dtype=torch.float32)
-        if y.numel():
+    @triton_op("moetrain::qkv_norm_rope", mutates_args=())
+    def qkv_norm_rope(
+        qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos_SH: torch.Tensor,
+        sin_SH: torch.Tensor, head_dim: int, kv_width: int, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(q, k normed and rotated, v copied: contiguous (B, S, width) in qkv's dtype; fp32
+        rstd of q and of k, (B, S, 1)) of the projection qkv = [q | k | v]."""
+        D, Dk = _check("qkv_norm_rope", qkv, cos_SH, head_dim, kv_width)
+        B, S, C = qkv.shape
+        x_MC = rows_of("qkv_norm_rope", qkv, C, 3 * MAX_D)
+        q, k, v = (qkv.new_empty((B, S, width)) for width in (D, Dk, Dk))
+        rstd_q, rstd_k = (qkv.new_empty((B, S, 1), dtype=torch.float32) for _ in range(2))
+        if q.numel():
+            cos_SH, sin_SH = cos_SH.contiguous(), sin_SH.contiguous()
             launch_qk_norm_rope_forward(
-                x_MD, weight.contiguous(), cos_SH.contiguous(), sin_SH.contiguous(),
-                y.view(-1, D), rstd.view(-1), S, head_dim, eps, wrap=wrap_triton,
+                x_MC[:, :D], q_weight.contiguous(), cos_SH, sin_SH, q.view(-1, D),
+                rstd_q.view(-1), S, head_dim, eps, wrap=wrap_triton,
             )  # fmt: skip
-        return y, rstd
+            launch_qk_norm_rope_forward(
+                x_MC[:, D : D + Dk], k_weight.contiguous(), cos_SH, sin_SH, k.view(-1, Dk),
+                rstd_k.view(-1), S, head_dim, eps, wrap=wrap_triton,
+                copy=(x_MC[:, D + Dk :], v.view(-1, Dk)),
+            )  # fmt: skip
+        return q, k, v, rstd_q, rstd_k
 
-    @triton_op("moetrain::qk_norm_rope_backward", mutates_args=())
-    def qk_norm_rope_backward(
-        grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-        cos_SH: torch.Tensor, sin_SH: torch.Tensor, head_dim: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(grad_x in x's dtype, grad_weight in weight's dtype)."""
-        _check("qk_norm_rope_backward", x, cos_SH, head_dim)
-        B, S, D = x.shape
-        x_MD = rows_of("qk_norm_rope_backward", x, D)
-        grad_y_MD = rows_of("qk_norm_rope_backward", grad_y, D)
-        grad_x = x.new_empty(x.shape)
-        P = num_programs(D, x_MD.shape[0], x.device)
-        partial_PD = x.new_empty((P, D), dtype=torch.float32)
-        if x_MD.numel():
-            launch_qk_norm_rope_backward(
-                grad_y_MD, x_MD, weight.contiguous(), rstd.reshape(-1).contiguous(),
-                cos_SH.contiguous(), sin_SH.contiguous(), grad_x.view(-1, D), partial_PD, S,
-                head_dim, wrap=wrap_triton,
-            )  # fmt: skip
-        else:
-            partial_PD.zero_()  # no rows: a zero gradient
-        return grad_x, partial_PD.sum(0).to(weight.dtype)
+    @triton_op("moetrain::qkv_norm_rope_backward", mutates_args=())
+    def qkv_norm_rope_backward(
+        grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, qkv: torch.Tensor,
+        q_weight: torch.Tensor, k_weight: torch.Tensor, rstd_q: torch.Tensor,
+        rstd_k: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor, head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(grad_qkv, (B, S, q + 2 kv) in qkv's dtype, written whole by the two launches;
+        grad_q_weight, grad_k_weight in the weights' dtype)."""
+        kv_width = grad_k.shape[-1]
+        D, Dk = _check("qkv_norm_rope_backward", qkv, cos_SH, head_dim, kv_width)
+        B, S, C = qkv.shape
+        x_MC = rows_of("qkv_norm_rope_backward", qkv, C, 3 * MAX_D)
+        grad_qkv = qkv.new_empty(qkv.shape)
+        grad_MC = grad_qkv.view(-1, C)
+        grads = []
+        for col, g, w, rstd, copy in (
+            (0, grad_q, q_weight, rstd_q, None),
+            (D, grad_k, k_weight, rstd_k, (rows_of("qkv_norm_rope_backward", grad_v, Dk), D + Dk)),
+        ):
+            width = g.shape[-1]
+            P = num_programs(width, x_MC.shape[0], qkv.device)
+            partial_PD = qkv.new_empty((P, width), dtype=torch.float32)
+            if x_MC.numel():
+                launch_qk_norm_rope_backward(
+                    rows_of("qkv_norm_rope_backward", g, width), x_MC[:, col : col + width],
+                    w.contiguous(), rstd.reshape(-1).contiguous(), cos_SH.contiguous(),
+                    sin_SH.contiguous(), grad_MC, partial_PD, S, head_dim, wrap=wrap_triton,
+                    grad_x_col=col, copy=copy,
+                )  # fmt: skip
+            else:
+                partial_PD.zero_()  # no rows: a zero gradient
+            grads.append(partial_PD.sum(0).to(w.dtype))
+        return grad_qkv, grads[0], grads[1]
 
     def setup(ctx, inputs, output):
-        x, weight, cos_SH, sin_SH, head_dim, _ = inputs
+        qkv, q_weight, k_weight, cos_SH, sin_SH, head_dim, _, _ = inputs
         ctx.head_dim = head_dim
-        ctx.mark_non_differentiable(output[1])
-        ctx.save_for_backward(x, weight, output[1], cos_SH, sin_SH)
+        ctx.mark_non_differentiable(output[3], output[4])
+        ctx.save_for_backward(qkv, q_weight, k_weight, output[3], output[4], cos_SH, sin_SH)
 
-    def backward(ctx, grad_y, _grad_rstd):
-        x, weight, rstd, cos_SH, sin_SH = ctx.saved_tensors
-        grad_x, grad_weight = torch.ops.moetrain.qk_norm_rope_backward(
-            grad_y, x, weight, rstd, cos_SH, sin_SH, ctx.head_dim
-        )
-        return grad_x, grad_weight, None, None, None, None
+    def backward(ctx, grad_q, grad_k, grad_v, _grad_rstd_q, _grad_rstd_k):
+        qkv, q_weight, k_weight, rstd_q, rstd_k, cos_SH, sin_SH = ctx.saved_tensors
+        grad_qkv, grad_wq, grad_wk = torch.ops.moetrain.qkv_norm_rope_backward(
+            grad_q, grad_k, grad_v, qkv, q_weight, k_weight, rstd_q, rstd_k, cos_SH, sin_SH,
+            ctx.head_dim,
+        )  # fmt: skip
+        return grad_qkv, grad_wq, grad_wk, None, None, None, None, None
 
-    qk_norm_rope.register_autograd(backward, setup_context=setup)
+    qkv_norm_rope.register_autograd(backward, setup_context=setup)
 
 
 if triton is not None:
     _register_ops()
 
 
-def supports(x_BSD: torch.Tensor, cos_SH: torch.Tensor) -> bool:
-    """Whether the Triton op can take x with these tables (Triton installed, a kernel dtype, rows
-    up to MAX_D, fp32 tables covering the sequence)."""
+def supports(qkv: torch.Tensor, cos_SH: torch.Tensor) -> bool:
+    """Whether the Triton op can take the projection qkv with these tables (Triton installed, a
+    kernel dtype, rows up to MAX_D, fp32 tables covering the sequence)."""
     return (
         triton_available()
-        and x_BSD.dtype in KERNEL_DTYPES
-        and x_BSD.dim() == 3
-        and 0 < x_BSD.shape[-1] <= MAX_D
-        and x_BSD.shape[1] <= cos_SH.shape[0]
+        and qkv.dtype in KERNEL_DTYPES
+        and qkv.dim() == 3
+        and 0 < qkv.shape[-1] <= 3 * MAX_D
+        and qkv.shape[1] <= cos_SH.shape[0]
         and cos_SH.dtype == torch.float32
     )
 
 
-def qk_norm_rope_triton(
-    x_BSD: torch.Tensor, weight: torch.Tensor, eps: float, cos_SH: torch.Tensor,
-    sin_SH: torch.Tensor, head_dim: int,
-) -> torch.Tensor:  # fmt: skip
-    """RMSNorm of each row then RoPE of each head, differentiable in x and weight (op
-    `moetrain::qk_norm_rope`)."""
+def qkv_norm_rope_triton(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    cos_SH: torch.Tensor, sin_SH: torch.Tensor, head_dim: int, kv_width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q and k of the projection qkv = [q | k | v] (B, S, q + 2 kv), each RMS-normed over its
+    row and rotated per head, and v, all contiguous (B, S, width); differentiable in qkv and
+    both weights (op `moetrain::qkv_norm_rope`)."""
     if triton is None:
         raise RuntimeError("Triton is not installed: use moetrain.nn.attention's path instead")
-    return torch.ops.moetrain.qk_norm_rope(x_BSD, weight, cos_SH, sin_SH, head_dim, eps)[0]
+    q, k, v, _, _ = torch.ops.moetrain.qkv_norm_rope(
+        qkv, q_weight, k_weight, cos_SH, sin_SH, head_dim, kv_width, eps
+    )
+    return q, k, v

@@ -173,8 +173,10 @@ def block_activation_bytes(
     T tokens, D d_model, q / kv projection widths, N heads, H head dim, E experts, e = E / ep,
     K top-k, R routed rows per token, F expert hidden; a = activation bytes (2 for bf16):
     - RMSNorm: `norm_activation_bytes`; attn_norm, ffn_norm and the qk-norms over q and k.
-    - attention: norm output (shared by q/k/v), q and k after RoPE, v, the output, a T x D each
-      (x width); the log-sum-exp 4 T N; RoPE's cos and sin, a S x H each.
+    - attention: norm output (shared by the projection), the fused q/k/v projection (its q and
+      k are the qk-norms' inputs, its v what SDPA keeps: one storage), q and k after RoPE, the
+      output, a T x width each; the qk-norms' fp32 4 T each; the log-sum-exp 4 T N; RoPE's cos
+      and sin, a S x H each.
     - router: fp32 logits and softmax 8 T E, z-loss log-sum-exp 4 T, a 4 E count vector.
     - MoE: three int64 index tensors 24 T K; dispatched rows a R T D; gate|up output 2 a R T F,
       the swiglu output a R T F (it saves only gate|up); the fp32 router weights 4 T K (saved by
@@ -194,8 +196,9 @@ def block_activation_bytes(
 
     attention = (
         norm(D)
-        + (norm(q) + norm(kv) if qk else 0)
-        + a * T * (D + 2 * q + 2 * kv)
+        + a * T * (q + 2 * kv)  # the projection
+        + (8 * T if qk else 0)
+        + a * T * (D + 2 * q + kv)
         + 4 * T * N
         + 2 * a * S * H
     )

@@ -129,7 +129,7 @@ def test_qk_norm_rope_reference_is_the_attention_path_in_float64():
 
 def test_attention_on_cpu_keeps_the_torch_path_bit_for_bit():
     """bf16 on CPU: q_norm / k_norm rounded to bf16, then apply_rope with bf16 tables, as
-    before the fused op (forward and gradients)."""
+    before the fused op (forward and gradients), on the fused projection's q, k and v."""
     torch.manual_seed(0)
     attn = Attention(64, 4, 2, 16, max_positions=12).bfloat16()
     for norm in (attn.q_norm, attn.k_norm):
@@ -138,8 +138,10 @@ def test_attention_on_cpu_keeps_the_torch_path_bit_for_bit():
 
     def torch_path(x_BSD):
         B, S, _ = x_BSD.shape
-        q, k = attn.q_norm(attn.q_proj(x_BSD)), attn.k_norm(attn.k_proj(x_BSD))
-        v = attn.v_proj(x_BSD).view(B, S, 2, 16).transpose(1, 2)
+        qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        q, k, v = F.linear(x_BSD, qkv_weight).split([64, 32, 32], dim=-1)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        v = v.view(B, S, 2, 16).transpose(1, 2)
         cos, sin = attn.rope.cos_sin(S, q.dtype)
         q = apply_rope(q.view(B, S, 4, 16).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(B, S, 2, 16).transpose(1, 2), cos, sin)
@@ -164,45 +166,78 @@ def test_triton_module_imports_without_triton():
 # --- Triton ops == references ------------------------------------------------------------------
 
 
-def check_qk_norm_rope_op(B, S, N, H, dtype, device, seed=0, scale=2.0):
-    """y, rstd and the gradients through autograd against the reference (the same fp32 formula,
-    rounded once) and float64, x of typical magnitude `scale`; the SDPA-style gradient layout (B,
-    N, S, H) contiguous, transposed back, gives the same bits as a contiguous one."""
-    from moetrain.kernels.qk_norm_rope_triton import qk_norm_rope_triton
+def check_qkv_norm_rope_op(B, S, N, G, H, dtype, device, seed=0, scale=2.0):
+    """q, k, v and the gradients through autograd against the per-tensor reference (the same
+    fp32 formula, rounded once) and float64 on q's and k's columns of a fused projection qkv of
+    typical magnitude `scale`, whose rows are strided (a slice of a wider buffer, as a view of a
+    GEMM output can be); v and its gradient are copies, exact. The SDPA-style gradient layout
+    (B, heads, S, H) contiguous, transposed back, gives the same bits as a contiguous one."""
+    from moetrain.kernels.qk_norm_rope_triton import qkv_norm_rope_triton
 
     cos_SH, sin_SH = tables(H, S + 5, device)
-    D = N * H
-    wide = randn(B, S, D + 16, dtype=dtype, seed=seed, device=device, scale=scale)
-    x = wide[..., :D].contiguous().requires_grad_()
-    w = (1 + randn(D, seed=seed + 1, device=device) / 4).requires_grad_()
-    g = randn(B, S, D, dtype=dtype, seed=seed + 2, device=device)
-    y = qk_norm_rope_triton(x, w, EPS, cos_SH, sin_SH, H)
-    grad_x, grad_w = torch.autograd.grad(y, (x, w), g)
-    assert y.dtype == grad_x.dtype == dtype and grad_w.dtype == w.dtype
-    assert y.shape == grad_x.shape == (B, S, D) and y.is_contiguous() and grad_x.is_contiguous()
-
-    y_ref = qk_norm_rope_reference(x, w, EPS, cos_SH, sin_SH, H)
-    ref_x, ref_w = torch.autograd.grad(y_ref, (x, w), g)
-    exact_y, exact_x, exact_w = exact_qk_norm_rope(x.detach(), w.detach(), g, cos_SH, sin_SH, H)
-    scale_y, scale_x, scale_w = qk_norm_rope_scales(x.detach(), w.detach(), g, H)
-    for got, ref, exact, scale, dt in (
-        (y, y_ref, exact_y, scale_y, dtype),
-        (grad_x, ref_x, exact_x, scale_x, dtype),
-        (grad_w, ref_w, exact_w, scale_w, torch.float32),
+    D, Dk = N * H, G * H
+    C = D + 2 * Dk
+    wide = randn(B, S, C + 16, dtype=dtype, seed=seed, device=device, scale=scale)
+    qkv = wide[..., :C].requires_grad_()  # row stride C + 16
+    wq = (1 + randn(D, seed=seed + 1, device=device) / 4).requires_grad_()
+    wk = (1 + randn(Dk, seed=seed + 2, device=device) / 4).requires_grad_()
+    gq = randn(B, S, D, dtype=dtype, seed=seed + 3, device=device)
+    gk = randn(B, S, Dk, dtype=dtype, seed=seed + 4, device=device)
+    gv = randn(B, S, Dk, dtype=dtype, seed=seed + 5, device=device)
+    q, k, v = qkv_norm_rope_triton(qkv, wq, wk, EPS, cos_SH, sin_SH, H, Dk)
+    grad_qkv, grad_wq, grad_wk = torch.autograd.grad((q, k, v), (qkv, wq, wk), (gq, gk, gv))
+    assert q.dtype == k.dtype == v.dtype == grad_qkv.dtype == dtype
+    assert grad_wq.dtype == wq.dtype and grad_wk.dtype == wk.dtype
+    assert q.shape == (B, S, D) and k.shape == v.shape == (B, S, Dk) and grad_qkv.shape == (B, S, C)
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    x = qkv.detach()
+    assert torch.equal(v, x[..., D + Dk :])
+    assert torch.equal(grad_qkv[..., D + Dk :], gv)
+    for y, grad_x, grad_w, x_part, w, g in (
+        (q, grad_qkv[..., :D], grad_wq, x[..., :D], wq, gq),
+        (k, grad_qkv[..., D : D + Dk], grad_wk, x[..., D : D + Dk], wk, gk),
     ):
-        assert_within(got, ref, scale, dt)
-        assert_within(got, exact, scale, dt)
-    _, rstd = torch.ops.moetrain.qk_norm_rope(x.detach(), w.detach(), cos_SH, sin_SH, H, EPS)
-    assert rstd.dtype == torch.float32 and rstd.shape == (B, S, 1)
-    assert_within(rstd, forward_rstd(x.detach()), forward_rstd(x.detach()), torch.float32)
+        x_part = x_part.contiguous().requires_grad_()
+        y_ref = qk_norm_rope_reference(x_part, w, EPS, cos_SH, sin_SH, H)
+        ref_x, ref_w = torch.autograd.grad(y_ref, (x_part, w), g)
+        wd = w.detach()
+        exact_y, exact_x, exact_w = exact_qk_norm_rope(x_part.detach(), wd, g, cos_SH, sin_SH, H)
+        scale_y, scale_x, scale_w = qk_norm_rope_scales(x_part.detach(), wd, g, H)
+        for got, ref, exact, scale_, dt in (
+            (y, y_ref, exact_y, scale_y, dtype),
+            (grad_x, ref_x, exact_x, scale_x, dtype),
+            (grad_w, ref_w, exact_w, scale_w, torch.float32),
+        ):
+            assert_within(got, ref, scale_, dt)
+            assert_within(got, exact, scale_, dt)
+    _, _, _, rstd_q, rstd_k = torch.ops.moetrain.qkv_norm_rope(
+        x, wq.detach(), wk.detach(), cos_SH, sin_SH, H, Dk, EPS
+    )
+    for rstd, x_part in ((rstd_q, x[..., :D]), (rstd_k, x[..., D : D + Dk])):
+        assert rstd.dtype == torch.float32 and rstd.shape == (B, S, 1)
+        assert_within(rstd, forward_rstd(x_part), forward_rstd(x_part), torch.float32)
 
-    strided = wide[..., :D].requires_grad_()  # row stride D + 16
-    y_strided = qk_norm_rope_triton(strided, w, EPS, cos_SH, sin_SH, H)
-    assert torch.equal(y_strided, y)
-    g_BNSH = g.view(B, S, N, H).transpose(1, 2).contiguous()
-    g_heads = g_BNSH.transpose(1, 2).reshape(B, S, D)  # what a view's backward hands over
-    grads = torch.autograd.grad(y_strided, (strided, w), g_heads)
-    assert all(torch.equal(a, b) for a, b in zip(grads, (grad_x, grad_w), strict=True))
+    dense = x.contiguous().requires_grad_()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            qkv_norm_rope_triton(dense, wq, wk, EPS, cos_SH, sin_SH, H, Dk), (q, k, v), strict=True
+        )
+    )
+    heads = [  # what the views' backwards hand over from SDPA's (B, heads, S, H) gradients
+        t.view(B, S, t.shape[-1] // H, H)
+        .transpose(1, 2)
+        .contiguous()
+        .transpose(1, 2)
+        .reshape(t.shape)
+        for t in (gq, gk, gv)
+    ]
+    out = qkv_norm_rope_triton(dense, wq, wk, EPS, cos_SH, sin_SH, H, Dk)
+    grads = torch.autograd.grad(out, (dense, wq, wk), heads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, (grad_qkv, grad_wq, grad_wk), strict=True))
+
+
+QKV_SHAPES = [(1, 1, 1, 1, 2), (2, 7, 3, 3, 16), (1, 13, 5, 5, 20), (2, 9, 1, 1, 96), (2, 6, 4, 2, 16)]  # fmt: skip
 
 
 @needs_interpreter
@@ -214,10 +249,11 @@ def test_triton_qk_norm_rope_ops_under_interpreter():
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("B,S,N,H", [*QK_SHAPES, (3, 40, 8, 64)])
-def test_qk_norm_rope_op_matches_references_interpreted(B, S, N, H, dtype):
-    """D = 2, 48, 100, 96: masked pair tails, half heads of 10 and 48 (not powers of two)."""
-    check_qk_norm_rope_op(B, S, N, H, dtype, "cpu", seed=N * H)
+@pytest.mark.parametrize("B,S,N,G,H", [*QKV_SHAPES, (3, 40, 8, 8, 64)])
+def test_qkv_norm_rope_op_matches_references_interpreted(B, S, N, G, H, dtype):
+    """D = 2, 48, 100, 96: masked pair tails, half heads of 10 and 48 (not powers of two); GQA
+    (k and v narrower than q)."""
+    check_qkv_norm_rope_op(B, S, N, G, H, dtype, "cpu", seed=N * H + G)
 
 
 @interpreted
@@ -229,9 +265,9 @@ def test_qk_norm_rope_op_matches_references_interpreted(B, S, N, H, dtype):
         (2, 0, 3, 16, torch.bfloat16, 2.0),
     ],
 )
-def test_qk_norm_rope_op_edge_cases_interpreted(B, S, N, H, dtype, scale):
+def test_qkv_norm_rope_op_edge_cases_interpreted(B, S, N, H, dtype, scale):
     """fp16; rows so small that eps counts in their norm; no rows at all."""
-    check_qk_norm_rope_op(B, S, N, H, dtype, "cpu", seed=4, scale=scale)
+    check_qkv_norm_rope_op(B, S, N, N, H, dtype, "cpu", seed=4, scale=scale)
 
 
 # --- GPU: the compiled kernels -----------------------------------------------------------------
@@ -243,35 +279,40 @@ gpu = needs_cuda_and_triton
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    "B,S,N,H", [(2, 7, 3, 16), (1, 13, 5, 20), (4, 512, 16, 64), (2, 300, 8, 128), (1, 64, 64, 128)]
-)
-def test_qk_norm_rope_op_matches_references_cuda(B, S, N, H, dtype):
-    check_qk_norm_rope_op(B, S, N, H, dtype, "cuda", seed=N * H)
+    "B,S,N,G,H",
+    [(2, 7, 3, 3, 16), (1, 13, 5, 5, 20), (4, 512, 16, 16, 64), (2, 300, 8, 2, 128), (1, 64, 64, 64, 128)],
+)  # fmt: skip
+def test_qkv_norm_rope_op_matches_references_cuda(B, S, N, G, H, dtype):
+    check_qkv_norm_rope_op(B, S, N, G, H, dtype, "cuda", seed=N * H + G)
 
 
 @pytest.mark.gpu
 @gpu
-def test_ops_pass_opcheck_and_qk_norm_rope_saves_its_inputs_not_y():
+def test_ops_pass_opcheck_and_qkv_norm_rope_saves_its_inputs_not_its_outputs():
     ops = torch.ops.moetrain
-    x = randn(2, 16, 128, dtype=torch.bfloat16, device="cuda")
-    g = randn(2, 16, 128, dtype=torch.bfloat16, seed=1, device="cuda")
-    w = randn(128, seed=2, device="cuda")
+    qkv = randn(2, 16, 256, dtype=torch.bfloat16, device="cuda")  # q 128, k and v 64 wide
+    g = [randn(2, 16, n, dtype=torch.bfloat16, seed=s, device="cuda") for s, n in enumerate((128, 64, 64), 1)]  # fmt: skip
+    wq, wk = randn(128, seed=4, device="cuda"), randn(64, seed=5, device="cuda")
     cos_SH, sin_SH = tables(32, 20, "cuda")
-    torch.library.opcheck(ops.qk_norm_rope.default, (x, w, cos_SH, sin_SH, 32, EPS))
-    rstd = ops.qk_norm_rope(x, w, cos_SH, sin_SH, 32, EPS)[1]
+    torch.library.opcheck(ops.qkv_norm_rope.default, (qkv, wq, wk, cos_SH, sin_SH, 32, 64, EPS))
+    _, _, _, rstd_q, rstd_k = ops.qkv_norm_rope(qkv, wq, wk, cos_SH, sin_SH, 32, 64, EPS)
     # the backward op has no autograd formula of its own (no double backward)
-    torch.library.opcheck(ops.qk_norm_rope_backward.default, (g, x, w, rstd, cos_SH, sin_SH, 32))
+    torch.library.opcheck(
+        ops.qkv_norm_rope_backward.default,
+        (*g, qkv, wq, wk, rstd_q, rstd_k, cos_SH, sin_SH, 32),
+    )
 
-    from moetrain.kernels.qk_norm_rope_triton import qk_norm_rope_triton
+    from moetrain.kernels.qk_norm_rope_triton import qkv_norm_rope_triton
 
-    x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+    qkv_, wq_, wk_ = (t.clone().requires_grad_() for t in (qkv, wq, wk))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = qk_norm_rope_triton(x_, w_, EPS, cos_SH, sin_SH, 32)
+        outputs = qkv_norm_rope_triton(qkv_, wq_, wk_, EPS, cos_SH, sin_SH, 32, 64)
     storages = {t.untyped_storage().data_ptr() for t in saved}
-    inputs = {t.untyped_storage().data_ptr() for t in (x_, w_, cos_SH, sin_SH)}
-    assert inputs <= storages and y.untyped_storage().data_ptr() not in storages
-    assert len(storages - inputs) == 1  # rstd, 4 bytes a row
+    inputs = {t.untyped_storage().data_ptr() for t in (qkv_, wq_, wk_, cos_SH, sin_SH)}
+    assert inputs <= storages
+    assert not storages & {t.untyped_storage().data_ptr() for t in outputs}
+    assert len(storages - inputs) == 2  # rstd of q and of k, 4 bytes a row each
 
 
 @pytest.mark.gpu
@@ -282,10 +323,11 @@ def test_attention_on_cuda_takes_the_fused_path():
         p.data = p.data.bfloat16()
     for norm in (attn.q_norm, attn.k_norm):
         norm.weight.data = (1 + torch.randn_like(norm.weight, dtype=torch.float32) / 4).bfloat16()
-    q = randn(2, 50, 256, dtype=torch.bfloat16, seed=3, device="cuda")
-    k = randn(2, 50, 128, dtype=torch.bfloat16, seed=4, device="cuda")
-    q_BNSH, k_BGSH = attn._normed_rotated_heads(q, k)
+    qkv = randn(2, 50, 512, dtype=torch.bfloat16, seed=3, device="cuda")
+    q_BNSH, k_BGSH, v_BGSH = attn._heads(qkv)
     rope = attn.rope
+    q, k, v = qkv.split([256, 128, 128], dim=-1)
+    assert torch.equal(v_BGSH.transpose(1, 2).reshape(v.shape), v)
     for got, t, norm in ((q_BNSH, q, attn.q_norm), (k_BGSH, k, attn.k_norm)):
         want = qk_norm_rope_reference(t, norm.weight, norm.eps, rope.cos_SH, rope.sin_SH, 64)
         got = got.transpose(1, 2).reshape(t.shape)

@@ -147,36 +147,23 @@ def test_qk_norm_rope_kernels_write_only_their_outputs(heads, head_dim):
     from moetrain.kernels import qk_norm_rope_triton as q
 
     S, D = 8, heads * head_dim
-    x, grad_y, weight, rstd = randn(2 * S, D), randn(2 * S, D), torch.ones(D), torch.rand(2 * S)
+    qkv = randn(2 * S, 3 * D)  # the fused projection the op passes slices of
+    x, v, grad_y, grad_v = qkv[:, :D], qkv[:, 2 * D :], randn(2 * S, D), randn(2 * S, D)
+    weight, rstd = torch.ones(D), torch.rand(2 * S)
     cos, sin = torch.rand(S, head_dim // 2), torch.rand(S, head_dim // 2)
-    assert_writes_only(
-        lambda w: q.launch_qk_norm_rope_forward(
-            x,
-            weight,
-            cos,
-            sin,
-            torch.empty_like(x),
-            torch.empty(2 * S),
-            S,
-            head_dim,
-            1e-5,
-            wrap=w,
-        ),
-        {"y_ptr", "rstd_ptr"},
-    )
-    assert_writes_only(
-        lambda w: q.launch_qk_norm_rope_backward(
-            grad_y,
-            x,
-            weight,
-            rstd,
-            cos,
-            sin,
-            torch.empty_like(x),
-            torch.empty(4, D),
-            S,
-            head_dim,
-            wrap=w,
-        ),
-        {"grad_x_ptr", "partial_ptr"},
-    )
+    for copy, written in ((None, set()), ((v, torch.empty_like(grad_y)), {"copy_dst_ptr"})):
+        assert_writes_only(
+            lambda w, copy=copy: q.launch_qk_norm_rope_forward(
+                x, weight, cos, sin, torch.empty_like(grad_y), torch.empty(2 * S), S, head_dim,
+                1e-5, wrap=w, copy=copy,
+            ),
+            {"y_ptr", "rstd_ptr"} | written,
+        )  # fmt: skip
+    for copy in (None, (grad_v, 2 * D)):
+        assert_writes_only(
+            lambda w, copy=copy: q.launch_qk_norm_rope_backward(
+                grad_y, x, weight, rstd, cos, sin, torch.empty_like(qkv), torch.empty(4, D), S,
+                head_dim, wrap=w, grad_x_col=D, copy=copy,
+            ),
+            {"grad_x_ptr", "partial_ptr"},
+        )  # fmt: skip

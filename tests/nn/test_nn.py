@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.nn.attention import Attention
+from moetrain.nn.attention import Attention, concat_linear
 from moetrain.nn.loss import chunked_linear_cross_entropy
 from moetrain.nn.norm import RMSNorm, rms_norm, rms_norm_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope
@@ -114,6 +114,33 @@ def test_attention_gqa_and_qk_norm_against_manual():
         attn = Attention(32, 4, kv_heads, 8, qk_norm=qk_norm).double()
         x = torch.randn(2, 7, 32, dtype=torch.float64)
         torch.testing.assert_close(attn(x), _manual_attention(attn, x))
+
+
+def test_attention_gradients_match_manual_with_separate_projections():
+    """The fused q/k/v projection's gradients (all parameters and x) equal those of the manual
+    attention, whose three projections are separate GEMMs (float64)."""
+    torch.manual_seed(1)
+    attn = Attention(32, 4, 2, 8).double()
+    x = torch.randn(2, 7, 32, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 7, 32, dtype=torch.float64)
+    params = [x, *attn.parameters()]
+    fused = torch.autograd.grad(attn(x), params, g)
+    manual = torch.autograd.grad(_manual_attention(attn, x), params, g)
+    for a, b in zip(fused, manual, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_concat_linear_saves_its_inputs_not_the_concatenated_weight():
+    x = torch.randn(5, 16, requires_grad=True)
+    ws = [torch.randn(n, 16, requires_grad=True) for n in (16, 8, 8)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = concat_linear(x, ws)
+    storages = {t.untyped_storage().data_ptr() for t in saved}
+    assert storages == {t.untyped_storage().data_ptr() for t in (x, *ws)}
+    assert torch.equal(y, F.linear(x, torch.cat(ws)))
+    grads = torch.autograd.grad(y, (x, *ws), torch.ones_like(y))
+    assert [g.shape for g in grads] == [x.shape, *(w.shape for w in ws)]
 
 
 @pytest.mark.parametrize("chunk_size", [8, 37, 64])  # five chunks, one exact, one larger
