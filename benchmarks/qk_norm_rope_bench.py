@@ -15,7 +15,7 @@ launch latency, then, unless --no-flush, a 128 MB write evicts L2 so that x come
   elements {1024, 2048, 4096, 8192} (BLOCK_M = tile // (2 * BLOCK_C)) x num_warps {2, 4, 8}
   (plus `num_warps_for(tile)`), skipping tiles of more than 64 rows or 64 elements a thread;
 - the Triton backward `launch_qk_norm_rope_backward` over the same tiles and warps x programs
-  for {8, 16, 32} warps an SM (the op's `num_programs` uses WARPS_PER_SM = 16): the kernel alone,
+  for {8, 16, 32} warps an SM (the op's `num_programs` uses WARPS_PER_SM = 32): the kernel alone,
   and with the op's `partial_PD.sum(0)`;
 - the torch path (`rms_norm` with the weight, then `apply_rope` with `RotaryEmbedding.cos_sin`
   tables in bf16) under torch.compile: forward alone (x requiring grad, as in training) and
@@ -144,6 +144,7 @@ class Bench:
         self.fwd_bytes = 2 * e * self.M * self.D + 4 * self.M
         self.sms = sm_count(device)
         self.default = qk.launch_config(self.D)
+        self.backward_default = qk.launch_config(self.D, qk.BACKWARD_TILE)
         self.fwd_results, self.bwd_results = [], []  # (us, description, default?)
         self._reference()
 
@@ -211,7 +212,7 @@ class Bench:
         )
         for tile, cfg, wps in configs(self.D, True, **self.sweep):
             P, tiles = backward_programs(self.M, cfg, wps, self.sms)
-            default = cfg == self.default and wps == qk.WARPS_PER_SM
+            default = cfg == self.backward_default and wps == qk.WARPS_PER_SM
             nbytes = 3 * self.x.element_size() * self.M * self.D + 4 * self.M + 4 * P * self.D
             partial_PD = torch.full((P, self.D), float("nan"), device=self.device)
             self.gx_MD.fill_(float("nan"))
@@ -330,7 +331,7 @@ def main() -> None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         print(f"{torch.cuda.get_device_name()}, {sms} SMs, torch {torch.__version__}, triton {qk.triton.__version__}")  # fmt: skip
     flush = not args.no_flush
-    print(f"bf16, {args.reps} reps, median; L2 {'flushed' if flush and device == 'cuda' else 'warm'} before each sample; default: tile {qk.TILE}, WARPS_PER_SM {qk.WARPS_PER_SM}", flush=True)  # fmt: skip
+    print(f"bf16, {args.reps} reps, median; L2 {'flushed' if flush and device == 'cuda' else 'warm'} before each sample; default: tile {qk.TILE} (backward {qk.BACKWARD_TILE}), WARPS_PER_SM {qk.WARPS_PER_SM}", flush=True)  # fmt: skip
     timer = Timer(args.reps, device, flush)
     benches = []
     for name, shape in shapes.items():  # the Triton sweeps first: they are what the run is for

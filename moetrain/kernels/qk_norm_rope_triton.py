@@ -51,7 +51,11 @@ from moetrain.kernels.triton_support import triton_available as triton_available
 
 MAX_D = 8192  # longest row one program holds in registers; longer rows take the torch path
 TILE = 2048  # elements of a tensor a program holds at once: 16 a thread, ~90 registers on sm_90
-WARPS_PER_SM = 16  # the grid: four programs of four warps an SM (or two of 8, one of 16)
+# The backward: one row of D = 1024 a tile, eight programs of four warps an SM. At `small`'s
+# shape on an H200 (benchmarks/qk_norm_rope_bench.py, session 5) 45.8 us against 54.0 for the
+# forward's tile at 16 warps an SM (kernel + partial sum).
+BACKWARD_TILE = 1024
+WARPS_PER_SM = 32
 _INTERPRETER_PROGRAMS = 2  # the interpreter runs programs in turn: two still test the partials
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -176,11 +180,11 @@ def _sm_count(device_index: int) -> int:
 
 
 def num_programs(D: int, num_rows: int, device: torch.device) -> int:
-    """Backward programs: WARPS_PER_SM warps an SM, all resident at once (at ~90 registers a
-    thread five programs of four warps fit), so no program waits for a second wave; fewer where
-    the rows run out."""
+    """Backward programs: WARPS_PER_SM warps an SM, all resident at once (at BACKWARD_TILE, 8
+    elements a thread, eight programs of four warps fit), so no program waits for a second wave;
+    fewer where the rows run out."""
     num_rows = int(num_rows)  # specialized, as in `tiles_per_program`
-    cfg = launch_config(D)
+    cfg = launch_config(D, BACKWARD_TILE)
     if device.type == "cuda":
         max_programs = WARPS_PER_SM * _sm_count(device.index or 0) // cfg["num_warps"]
     else:
@@ -239,7 +243,7 @@ def launch_qk_norm_rope_backward(
     partial_PD); copy = (src_MD, col) also copies src's rows to columns [col, col + D) of
     grad_x_MC."""
     num_rows, D = x_MD.shape
-    cfg = config or launch_config(D)
+    cfg = config or launch_config(D, BACKWARD_TILE)
     if "TILES_PER_PROGRAM" not in cfg:
         tiles = tiles_per_program(num_rows, cfg["BLOCK_M"], partial_PD.shape[0])
         cfg = dict(cfg, TILES_PER_PROGRAM=tiles)
