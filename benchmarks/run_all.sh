@@ -20,12 +20,13 @@ if [[ ${PART:-1} == 3 ]]; then  # low precision: step time by recipe, then loss 
   done
   python3 benchmarks/precision_curves.py --preset demo --steps 300 --set parallel.compile=false 2>&1 | grep -v "^note" | tee "$OUT/curves.txt"
 fi
-if [[ ${PART:-1} == 4 ]]; then  # memory-bound kernels against the torch code they replace
+if [[ ${PART:-1} == 4 ]]; then  # memory-bound kernels against the torch code they replace; GEMM shapes
   python3 benchmarks/gather_bench.py 2>&1 | tee "$OUT/gather_bench.txt"
   python3 benchmarks/adamw_bench.py 2>&1 | tee "$OUT/adamw_bench.txt"
   python3 benchmarks/swiglu_bench.py 2>&1 | tee "$OUT/swiglu_bench.txt"
   python3 benchmarks/ce_bench.py 2>&1 | tee "$OUT/ce_bench.txt"
   python3 benchmarks/qk_norm_rope_bench.py 2>&1 | tee "$OUT/qk_norm_rope_bench.txt"
+  python3 benchmarks/gemm_bench.py --preset small --preset scale-E8 --preset scale-E128 2>&1 | tee "$OUT/gemm_bench.txt"
 fi
 if [[ ${PART:-1} == 5 ]]; then  # single-GPU options on small, one at a time against the default
   for s in train.cuda_graph=false model.attention_backend=flash \
