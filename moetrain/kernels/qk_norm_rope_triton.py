@@ -356,14 +356,16 @@ if triton is not None:
     _register_ops()
 
 
-def supports(qkv: torch.Tensor, cos_SH: torch.Tensor) -> bool:
-    """Whether the Triton op can take the projection qkv with these tables (Triton installed, a
-    kernel dtype, rows up to MAX_D, fp32 tables covering the sequence)."""
+def supports(qkv: torch.Tensor, cos_SH: torch.Tensor, kv_width: int) -> bool:
+    """Whether the Triton op can take the projection qkv = [q | k | v] (kv_width wide k and v)
+    with these tables (Triton installed, a kernel dtype, q and k rows up to MAX_D, fp32 tables
+    covering the sequence)."""
     return (
         triton_available()
         and qkv.dtype in KERNEL_DTYPES
         and qkv.dim() == 3
-        and 0 < qkv.shape[-1] <= 3 * MAX_D
+        and 0 < kv_width <= MAX_D
+        and 0 < qkv.shape[-1] - 2 * kv_width <= MAX_D
         and qkv.shape[1] <= cos_SH.shape[0]
         and cos_SH.dtype == torch.float32
     )

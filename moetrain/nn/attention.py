@@ -128,7 +128,7 @@ class Attention(nn.Module):
         fused = (
             self.q_norm is not None
             and qkv_BSC.is_cuda
-            and qk_norm_rope_triton.supports(qkv_BSC, rope.cos_SH)
+            and qk_norm_rope_triton.supports(qkv_BSC, rope.cos_SH, kv_width)
         )
         if fused:
             q_BSD, k_BSD, v_BSD = qk_norm_rope_triton.qkv_norm_rope_triton(

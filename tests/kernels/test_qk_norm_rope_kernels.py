@@ -157,6 +157,17 @@ def test_attention_on_cpu_keeps_the_torch_path_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="needs Triton")
+def test_supports_takes_q_and_k_rows_up_to_max_d_only():
+    from moetrain.kernels.qk_norm_rope_triton import MAX_D, supports
+
+    cos = torch.zeros(8, 32)
+    for q_width, kv_width, ok in ((MAX_D, MAX_D, True), (MAX_D + 64, 64, False), (64, MAX_D + 64, False)):  # fmt: skip
+        qkv = torch.empty(1, 4, q_width + 2 * kv_width, dtype=torch.bfloat16, device="meta")
+        assert supports(qkv, cos, kv_width) == ok
+    assert not supports(torch.empty(1, 9, 192, dtype=torch.bfloat16), cos, 64)  # tables too short
+
+
 def test_triton_module_imports_without_triton():
     from moetrain.kernels import qk_norm_rope_triton
 
