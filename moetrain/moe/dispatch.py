@@ -13,8 +13,9 @@ that was dropped contributes zero. Who applies the weights is the dispatcher's c
 its handle: with `handle.row_weights_N` (the weights in row order) the experts scale their rows
 (inside the SwiGLU, before the linear down projection) and `combine` only sums, so its backward
 needs no saved expert outputs (the LocalDispatcher); with None, `combine` weights (the
-expert-parallel dispatchers, whose rows cross ranks without their weights). The MoE layer only sees this interface: expert parallelism swaps
-in dispatchers that move rows between ranks (moetrain.parallel), without touching model code.
+expert-parallel dispatchers, whose rows cross ranks without their weights). The MoE layer only
+sees this interface: expert parallelism swaps in dispatchers that move rows between ranks
+(moetrain.parallel), without touching model code.
 """
 
 from __future__ import annotations

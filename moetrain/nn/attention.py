@@ -7,12 +7,12 @@ output columns): on `small` (16k tokens, D = 1024, H200) its forward + backward 
 layer against 0.61 for three GEMMs, whose weight gradients cuBLAS split along K. The weights stay
 three parameters (q_proj, k_proj, v_proj, as in Hugging Face checkpoints), concatenated in the
 forward and again in the backward (`concat_linear`) rather than kept: a D x C copy each way,
-where keeping it would hold one per layer and micro-batch in flight (308 MB a layer at D = 7168). On CUDA with Triton, qk-norm and RoPE run fused
-(`moetrain.kernels.qk_norm_rope_triton`): one op over the projection, two kernel launches per
-direction, fp32 math rounded once, which also hands SDPA a contiguous v and writes the whole
-projection gradient. The torch path rounds to the activation dtype between norm and RoPE and
-applies RoPE with tables in that dtype. `qk_norm_rope_reference` is the fused op's plain-torch
-twin, per tensor.
+where keeping it would hold one per layer and micro-batch in flight (308 MB a layer at D =
+7168). On CUDA with Triton, qk-norm and RoPE run fused (`moetrain.kernels.qk_norm_rope_triton`):
+one op over the projection, two kernel launches per direction, fp32 math rounded once, which also
+hands SDPA a contiguous v and writes the whole projection gradient. The torch path rounds to the
+activation dtype between norm and RoPE and applies RoPE with tables in that dtype.
+`qk_norm_rope_reference` is the fused op's plain-torch twin, per tensor.
 `torch.nn.functional.scaled_dot_product_attention` runs the flash or cuDNN kernels on GPU; the
 backend can be pinned, since cuDNN is about twice as fast as flash on Hopper for our shapes.
 """
@@ -71,6 +71,8 @@ class _ConcatLinear(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         x, *weights = ctx.saved_tensors
         grad_x = grad_out @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[1:]):
+            return grad_x, *(None for _ in weights)
         grad_w = grad_out.reshape(-1, grad_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])
         return grad_x, *grad_w.split([w.shape[0] for w in weights])
 

@@ -141,6 +141,9 @@ def test_concat_linear_saves_its_inputs_not_the_concatenated_weight():
     assert torch.equal(y, F.linear(x, torch.cat(ws)))
     grads = torch.autograd.grad(y, (x, *ws), torch.ones_like(y))
     assert [g.shape for g in grads] == [x.shape, *(w.shape for w in ws)]
+    frozen = [w.detach() for w in ws]  # only x needs a gradient: no weight-gradient GEMM
+    (grad_x,) = torch.autograd.grad(concat_linear(x, frozen), x, torch.ones_like(y))
+    assert torch.equal(grad_x, grads[0])
 
 
 @pytest.mark.parametrize("chunk_size", [8, 37, 64])  # five chunks, one exact, one larger
