@@ -16,22 +16,25 @@ one chunk of BLOCK elements of one tensor.
   it with `tl.multiple_of`, and whole chunks run without an element mask: only each tensor's last
   chunk is masked. The default block gives each thread one 16-byte vector of each state tensor
   at 4 warps (1024 elements with bf16 states, 512 with fp32): small programs, many resident per
-  SM, hide each program's fixed start (tables, fp64 bias corrections). On the H200 (`small`'s
-  0.94B parameters, `benchmarks/adamw_bench.py --quick`) 4 warps took bf16 states from 4.66 to
-  3.83 ms (67 -> 82% of 4.2 TB/s) and fp32 states from 7.63 to 7.04 ms against 8 warps with
-  the same bytes a thread; larger blocks (4096-8192) were slower still. Inside the replayed
-  `small` step the kernel's time barely moved (3.94 -> 3.90 ms for its four launches, 80% of
-  copy bandwidth): the micro-benchmark's gain is partly per-call host work it times too.
+  SM, hide each program's fixed start (its table loads). On the H200 (`small`'s 0.94B
+  parameters, `benchmarks/adamw_bench.py --quick`) 4 warps took bf16 states from 4.66 to 3.83 ms
+  against 8 warps with the same bytes a thread; larger blocks (2048-8192) were slower still.
+- Per-step scalars: the bias corrections 1 - beta**step come from the device step counter in
+  fp64 (in fp32, 1 - 0.999**1 loses three digits to cancellation; torch uses double there too),
+  and so do the step size lr / bc1 and the decay factor 1 - lr * wd. A one-program prologue
+  kernel computes them once a launch, rounded to fp32, into a 3-float buffer every program
+  loads. Computed by each program instead (software fp64 exp2, division and square root, ~10^6
+  programs), they cost 0.1 ms of `small`'s 3.7 (benchmarks/RESULTS.md, session 6; bitwise the
+  same results). Python floats reach a Triton kernel as fp32, so the doubles the prologue needs
+  (lr, wd, log2 beta) travel as hi/lo fp32 pairs.
 - Precision: the per-element math is fp32 in the order of the reference (and of torch's
-  single-tensor AdamW), with IEEE-rounded divisions and square roots (`div_rn`, `sqrt_rn`) and
-  no multiply-add contraction, so it agrees with the reference to an ulp, mostly bit for bit. The
-  bias corrections 1 - beta**step come from the device step counter in fp64, once per program: in
-  fp32, 1 - 0.999**1 loses three digits to cancellation (torch uses double there too). Python
-  floats reach a Triton kernel as fp32, so the doubles it needs (lr, log2 beta) travel as hi/lo
-  fp32 pairs.
-- Measured on an H200 at 2.5B parameters (device copy: 4.2 TB/s): 3.7 TB/s of floor traffic with
-  bf16 states, 3.9 to 4.0 TB/s with fp32 states and masters. Approximate sqrt and division
-  (`tl.sqrt`, `/`) reached 4.1 TB/s with bf16 states, a few ulp away from the reference.
+  single-tensor AdamW), with no multiply-add contraction, but with the hardware's square root
+  and division (`tl.sqrt`, `/`: within 2 fp32 ulps) instead of IEEE-rounded ones. The IEEE
+  sequences made the kernel issue-bound rather than memory-bound: on `small`'s parameters 3.60
+  -> 3.18 ms with bf16 states (3.7 -> 4.2 TB/s of floor traffic; 0.004% of the elements one bf16
+  ulp away from the IEEE result), 6.48 -> 6.31 ms with fp32 states and masters (a few % of the
+  masters an fp32 ulp away). The tests hold the kernel to the reference within one bf16 ulp, or
+  an fp32 relative 1e-6.
 - `found_inf` (nonzero: skip the step) is read on the device; a skipped step reads and writes
   nothing. The caller advances the device step counter only on steps that count, before the
   call: `step += 1 - found_inf`.
@@ -89,7 +92,7 @@ def _update(
     """One chunk: read grad, weight (master or param), m, v; write them back (and param)."""
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     if HAS_GRAD_SCALE:
-        g = tl.math.div_rn(g, tl.broadcast_to(grad_scale, g.shape))
+        g = g / grad_scale
     if HAS_MASTER:
         w = tl.load(w_ptr + offs, mask=mask)
     else:
@@ -99,8 +102,8 @@ def _update(
     w = w * decay
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
-    denom = tl.math.div_rn(tl.sqrt_rn(v), tl.broadcast_to(bc2_sqrt, v.shape)) + eps
-    w = w - tl.math.div_rn(step_size * m, denom)
+    denom = tl.sqrt(v) / bc2_sqrt + eps
+    w = w - (step_size * m) / denom
     tl.store(m_ptr + offs, _round_to(m, STATE, SOFTWARE_ROUND), mask=mask)
     tl.store(v_ptr + offs, _round_to(v, STATE, SOFTWARE_ROUND), mask=mask)
     if HAS_MASTER:
@@ -109,18 +112,36 @@ def _update(
 
 
 @_jit
+def _adamw_scalars_kernel(
+    out_ptr, step_ptr, lr_ptr, lr_hi, lr_lo, wd_hi, wd_lo,
+    log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo, LR_ON_DEVICE: tl.constexpr,
+):  # fmt: skip
+    """One program: the launch's per-step scalars (step size, sqrt of the second bias
+    correction, decay factor) into out_ptr[0:3] as fp32, from fp64 math on the device step."""
+    # bias corrections in fp64 from the device step: 1 - beta**step = 1 - 2**(step * log2(beta))
+    step = tl.load(step_ptr).to(tl.float64)
+    bc1 = 1.0 - tl.exp2(step * _f64(log2_beta1_hi, log2_beta1_lo))
+    bc2 = 1.0 - tl.exp2(step * _f64(log2_beta2_hi, log2_beta2_lo))
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float64)
+    else:
+        lr = _f64(lr_hi, lr_lo)
+    tl.store(out_ptr, (lr / bc1).to(tl.float32))
+    tl.store(out_ptr + 1, tl.sqrt(bc2).to(tl.float32))
+    tl.store(out_ptr + 2, (1.0 - lr * _f64(wd_hi, wd_lo)).to(tl.float32))
+
+
+@_jit
 def _adamw_kernel(
-    addr_ptr, chunk_ptr, numel_ptr, n_tensors, step_ptr, grad_scale_ptr, found_inf_ptr, lr_ptr,
-    lr_hi, lr_lo, wd_hi, wd_lo, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo,
+    addr_ptr, chunk_ptr, numel_ptr, n_tensors, scalars_ptr, grad_scale_ptr, found_inf_ptr,
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
     PARAM: tl.constexpr, GRAD: tl.constexpr, STATE: tl.constexpr, HAS_MASTER: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
-    ALIGNED: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, ALIGNED: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """addr: int64 (4 or 5, n_tensors) addresses of param, grad, m, v[, master]; chunk: int64
-    (n_chunks, 2) tensor index and first element; numel: int64 (n_tensors,). The learning rate is
-    the (lr_hi, lr_lo) pair, or with LR_ON_DEVICE the fp64 scalar at lr_ptr (a CUDA graph replays
-    its launch arguments, so a changing learning rate must be read from memory there)."""
+    (n_chunks, 2) tensor index and first element; numel: int64 (n_tensors,); scalars: the fp32
+    step size, sqrt(bias correction 2) and decay factor of `_adamw_scalars_kernel`."""
     pid = tl.program_id(0).to(tl.int64)
     i = tl.load(chunk_ptr + 2 * pid)
     start = tl.load(chunk_ptr + 2 * pid + 1)
@@ -139,20 +160,9 @@ def _adamw_kernel(
         v_ptr = tl.multiple_of(v_ptr, 16)
         w_ptr = tl.multiple_of(w_ptr, 16)
         start = tl.multiple_of(start, BLOCK)
-
-    # bias corrections in fp64 from the device step: 1 - beta**step = 1 - 2**(step * log2(beta))
-    step = tl.load(step_ptr).to(tl.float64)
-    log2_beta1 = _f64(log2_beta1_hi, log2_beta1_lo)
-    log2_beta2 = _f64(log2_beta2_hi, log2_beta2_lo)
-    bc1 = 1.0 - tl.exp2(step * log2_beta1)
-    bc2 = 1.0 - tl.exp2(step * log2_beta2)
-    if LR_ON_DEVICE:
-        lr = tl.load(lr_ptr).to(tl.float64)
-    else:
-        lr = _f64(lr_hi, lr_lo)
-    decay = (1.0 - lr * _f64(wd_hi, wd_lo)).to(tl.float32)
-    step_size = (lr / bc1).to(tl.float32)
-    bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
+    step_size = tl.load(scalars_ptr)
+    bc2_sqrt = tl.load(scalars_ptr + 1)
+    decay = tl.load(scalars_ptr + 2)
     grad_scale = 1.0
     if HAS_GRAD_SCALE:
         grad_scale = tl.load(grad_scale_ptr)
@@ -271,14 +281,17 @@ def multi_tensor_adamw_(
     wd_hi, wd_lo = _hi_lo(weight_decay)
     b1_hi, b1_lo = _hi_lo(math.log2(beta1) if beta1 > 0 else -math.inf)
     b2_hi, b2_lo = _hi_lo(math.log2(beta2) if beta2 > 0 else -math.inf)
+    scalars = torch.empty(3, dtype=torch.float32, device=device)
+    _adamw_scalars_kernel[(1,)](
+        scalars, step, lr if lr_on_device else None, lr_hi, lr_lo, wd_hi, wd_lo,
+        b1_hi, b1_lo, b2_hi, b2_lo, LR_ON_DEVICE=lr_on_device, num_warps=1, enable_fp_fusion=False,
+    )  # fmt: skip
     tl_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
     _adamw_kernel[(n_chunks,)](
-        addr_rn, chunk_c2, numel_n, len(params), step, grad_scale, found_inf,
-        lr if lr_on_device else None, lr_hi, lr_lo, wd_hi, wd_lo, b1_hi, b1_lo, b2_hi, b2_lo,
+        addr_rn, chunk_c2, numel_n, len(params), scalars, grad_scale, found_inf,
         beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
         PARAM=tl_dtype[param_dtype], GRAD=tl_dtype[grad_dtype], STATE=tl_dtype[state_dtype],
         HAS_MASTER=masters is not None, HAS_GRAD_SCALE=grad_scale is not None,
-        HAS_FOUND_INF=found_inf is not None, LR_ON_DEVICE=lr_on_device, ALIGNED=aligned,
-        SOFTWARE_ROUND=device.type != "cuda",
+        HAS_FOUND_INF=found_inf is not None, ALIGNED=aligned, SOFTWARE_ROUND=device.type != "cuda",
         BLOCK=block, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
