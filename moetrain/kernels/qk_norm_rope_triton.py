@@ -207,7 +207,9 @@ def rows_of(name: str, t: torch.Tensor, D: int, max_width: int = MAX_D) -> torch
 
 def launch_config(D: int, tile: int = TILE) -> dict:
     """All D/2 pairs of a row and enough rows to fill `tile` elements (the backward adds
-    TILES_PER_PROGRAM)."""
+    TILES_PER_PROGRAM). A symbolic width (torch.compile's dynamic shapes) is specialized: the
+    block sizes are constexprs, and sympy arithmetic on the symbol took opcheck minutes."""
+    D = int(D)
     block_c = triton.next_power_of_2(max(D // 2, 1))
     block_m = max(1, min(64, tile // (2 * block_c)))
     return dict(
