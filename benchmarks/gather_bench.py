@@ -22,27 +22,12 @@ import torch
 
 from moetrain.bench.timing import kernel_ms
 from moetrain.kernels import gather, gather_triton
-from moetrain.moe.dispatch import weighted_sum_of_routes
+from moetrain.moe.dispatch import permute_routes, weighted_sum_of_routes
 
 PEAK_GBPS = 4200.0
 
 
 # --- the baseline: moe/dispatch.py before the Triton ops ---------------------------------------
-
-
-class _PermuteRows(torch.autograd.Function):
-    """out = x[index] for a permutation `index`; backward is the gather by its inverse (no
-    scatter, no atomics, unlike the generic index backward, which sorts)."""
-
-    @staticmethod
-    def forward(ctx, x_ND, index_N, inverse_N):  # type: ignore[override]
-        ctx.save_for_backward(inverse_N)
-        return x_ND[index_N]
-
-    @staticmethod
-    def backward(ctx, grad_ND):  # type: ignore[override]
-        (inverse_N,) = ctx.saved_tensors
-        return grad_ND[inverse_N], None, None
 
 
 class _GatherRoutes(torch.autograd.Function):
@@ -65,7 +50,9 @@ class _GatherRoutes(torch.autograd.Function):
 def old_permute_rows(
     x_ND: torch.Tensor, index_N: torch.Tensor, inverse_N: torch.Tensor
 ) -> torch.Tensor:
-    return _PermuteRows.apply(x_ND, index_N, inverse_N)
+    """The expert-side permutation, which the LocalDispatcher still uses (for the router weights):
+    out = x[index], backward a gather by the inverse."""
+    return permute_routes(x_ND, index_N, inverse_N)
 
 
 def old_gather_routes(

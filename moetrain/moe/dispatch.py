@@ -114,7 +114,8 @@ class _PermuteRoutes(torch.autograd.Function):
 
 
 def permute_routes(v_N: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """A per-route vector (flat (token, k) order) in expert-row order, differentiable."""
+    """A per-route tensor (leading dim in flat (token, k) order, any trailing dims) in
+    expert-row order, differentiable."""
     return _PermuteRoutes.apply(v_N, order_N, inverse_TK.reshape(-1))
 
 
