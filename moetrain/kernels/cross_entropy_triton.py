@@ -45,6 +45,7 @@ import torch
 
 from moetrain.kernels.triton_support import interpreting as _interpreting
 from moetrain.kernels.triton_support import jit as _jit
+from moetrain.kernels.triton_support import loop_bound as _loop_bound
 from moetrain.kernels.triton_support import tl, triton
 from moetrain.kernels.triton_support import triton_available as triton_available
 
@@ -126,7 +127,7 @@ def chunk_loss_and_grad_triton(
         sub = min(sub, block)
         evict = dict(KEEP="evict_last", STREAM="evict_first") if hints else dict(KEEP="", STREAM="")
         _ce_rows_kernel[(C,)](
-            logits_CV, targets_C.contiguous(), grad_CV, loss_C, V, float(scale),
+            logits_CV, targets_C.contiguous(), grad_CV, loss_C, _loop_bound(V), float(scale),
             BLOCK_R=block // sub, SUB=sub, num_warps=num_warps, **evict,
         )  # fmt: skip
     elif C:  # no classes: every target is out of range

@@ -5,11 +5,14 @@ the plain function so that kernel modules still import, and `triton_available()`
 kernels' entry points check it and their callers fall back to the torch references.
 `interpreting()`: TRITON_INTERPRET=1, under which Triton runs kernels on CPU tensors (it must be
 set before Triton is first imported: Triton fixes the mode of its own library at import).
+`loop_bound(n)`: an int argument that a kernel uses as a runtime loop bound (see there).
 """
 
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 try:
     import triton
@@ -30,3 +33,18 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def loop_bound(n: int):
+    """`n` for a kernel argument that bounds a runtime loop (`tl.range(0, n, ...)`).
+
+    On the GPU this is `n` itself. Triton 3.6's interpreter wraps an int argument in a
+    1-element numpy array and its `range` calls int() on it, which numpy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"; triton-lang/triton#9171,
+    fixed after 3.6). Under the interpreter, the argument is therefore passed as a 0-d int32
+    interpreter tensor, which the interpreter takes as it is and int() accepts."""
+    if not interpreting() or not -(2**31) <= n < 2**31:
+        return n
+    from triton.runtime.interpreter import TensorHandle
+
+    return tl.tensor(TensorHandle(np.array(n, dtype=np.int32), tl.int32), tl.int32)
