@@ -6,15 +6,13 @@ python benchmarks/profile_step.py --preset small [--set parallel.compile=true] [
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moetrain.bench.harness import bench_config
+from moetrain.bench.harness import warmed_trainer
 from moetrain.bench.phases import classify
 from moetrain.presets import get_preset
-from moetrain.train.trainer import Trainer
 
 
 def main() -> None:
@@ -24,21 +22,17 @@ def main() -> None:
     parser.add_argument("--optimizer", default="mixed")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--ops", type=int, default=0, help="also list the top N aten ops by shape")
+    parser.add_argument("--trace", default="", help="also write a Chrome trace of the step here")
     args = parser.parse_args()
-    config = bench_config(
-        get_preset(args.preset).with_overrides(args.set), "learned", args.optimizer
-    )
-    with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(config, run_dir, device="cuda", progress=False)
-        it = iter(trainer.train_loader)
-        for _ in range(3):
-            trainer.train_step(it)
-        torch.cuda.synchronize()
+    config = get_preset(args.preset).with_overrides(args.set)
+    with warmed_trainer(config, args.optimizer) as (trainer, it):
         with profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
         ) as prof:
             trainer.train_step(it)
             torch.cuda.synchronize()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     if args.ops:
         print(
             prof.key_averages(group_by_input_shape=True).table(

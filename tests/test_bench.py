@@ -3,6 +3,8 @@ the profiler post-processing (pure functions)."""
 
 import json
 
+from moetrain import presets
+from moetrain.bench.harness import warmed_trainer
 from moetrain.bench.phases import classify, idle_gaps
 from moetrain.cli import main
 
@@ -21,6 +23,19 @@ def test_bench_on_cpu_times_real_steps_and_writes_json_and_markdown(tmp_path, ca
     assert result["cuda_graph"] is False  # CPU: never graphed
     assert "| moetrain | tiny | learned | mixed |" in md.read_text()
     assert "no GPU" in capsys.readouterr().err
+
+
+def test_warmed_trainer_is_the_benchmarks_trainer_after_its_warm_up_steps():
+    with warmed_trainer(presets.tiny(), "bf16-adamw", warmup=2, device="cpu") as (trainer, it):
+        cfg = trainer.config
+        assert cfg.data.random_tokens and cfg.train.eval_every == 0
+        assert cfg.precision.param_dtype == "bf16" and not cfg.precision.master_weights
+        assert trainer.step == 2 and trainer.train_loader.batches == 2
+        inputs, targets = next(it)
+        assert inputs.shape == (cfg.train.micro_batch_size, cfg.train.seq_len)
+        run_dir = trainer.run_dir
+        assert run_dir.exists()
+    assert not run_dir.exists()  # a temporary run directory, removed afterwards
 
 
 def test_idle_gaps_are_the_stretches_no_kernel_covers():

@@ -10,11 +10,13 @@ split of a step.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
 import platform
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,31 @@ def bench_config(config: RunConfig, routing: str, optimizer: str) -> RunConfig:
     if optimizer == "bf16-adamw":  # the peers' setting: bf16 params and states, no fp32 master
         overrides += ["precision.param_dtype=bf16", "precision.master_weights=false"]
     return config.with_overrides(overrides)
+
+
+@contextlib.contextmanager
+def warmed_trainer(
+    config: RunConfig,
+    optimizer: str,
+    warmup: int = 3,
+    routing: str = "learned",
+    device: str = "cuda",
+) -> Iterator[tuple[Any, Iterator]]:
+    """(trainer, its batch iterator) as `moetrain bench` builds them, in a temporary run
+    directory, after `warmup` steps (3: a step graph is captured by then), for the benchmark
+    scripts that look inside a step."""
+    from moetrain.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(
+            bench_config(config, routing, optimizer), run_dir, device=device, progress=False
+        )
+        it = iter(trainer.train_loader)
+        for _ in range(warmup):
+            trainer.train_step(it)
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        yield trainer, it
 
 
 def bench_moetrain(
