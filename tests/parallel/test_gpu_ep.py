@@ -101,19 +101,32 @@ def test_no_sync_steps_have_no_host_sync(monkeypatch, capacity_factor):
                 assert float(value) < 1.0
 
 
-def test_no_sync_matches_local_dispatch_on_gpu(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_sync_matches_local_dispatch_on_gpu(monkeypatch, dtype):
     """Same weights, same batch: the NoSync path (ep=1, dropless) gives LocalDispatcher's loss
-    and gradients in bf16."""
+    and gradients. In fp32 every gradient agrees to rounding. In bf16 the two paths round at
+    different points (LocalDispatcher weights rows inside the SwiGLU, NoSync in its combine), so
+    from the second layer on near-tied router scores can pick other experts and gradients
+    differ by several percent (measured on CPU: up to 8% in norm, with fp32 agreeing to 6e-7):
+    there only the loss and the first MoE layer, whose inputs are identical, are compared."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     config = gpu_config(None)
     dims = init_distributed(config, device_type="cuda")
-    model = parallelize(build_model(config, device=dims.device), config, dims).to(torch.bfloat16)
-    reference = build_model(config, device=dims.device).to(torch.bfloat16)
+    model = parallelize(build_model(config, device=dims.device), config, dims).to(dtype)
+    reference = build_model(config, device=dims.device).to(dtype)
     for layer in reference.moe_layers():
         assert isinstance(layer.dispatcher, LocalDispatcher)
-    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device=dims.device)
-    for net in (model, reference):
-        net.loss(net(batch[:, :-1]), batch[:, 1:]).backward()
+    generator = torch.Generator(device=dims.device).manual_seed(0)
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device=dims.device, generator=generator)
+    losses = [net.loss(net(batch[:, :-1]), batch[:, 1:]) for net in (model, reference)]
+    for loss in losses:
+        loss.backward()
+    exact = dtype == torch.float32
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5 if exact else 1e-3, atol=0)
     for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(param.grad, ref.grad, rtol=2e-2, atol=1e-4, msg=name)
+        if exact:
+            torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-7, msg=name)
+        elif name.startswith("blocks.0.ffn."):
+            err = (param.grad.float() - ref.grad.float()).norm() / ref.grad.float().norm()
+            assert err < 2e-2, (name, err.item())
