@@ -21,6 +21,7 @@ def test_bench_on_cpu_times_real_steps_and_writes_json_and_markdown(tmp_path, ca
         abs(result["tokens_per_s"] - tokens / (result["stats"]["median_ms"] / 1e3)) < 1e-6 * tokens
     )
     assert result["cuda_graph"] is False  # CPU: never graphed
+    assert result["gpu_state"] is None  # no NVML samples without a GPU
     assert "| moetrain | tiny | learned | mixed |" in md.read_text()
     assert "no GPU" in capsys.readouterr().err
 

@@ -46,6 +46,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from moetrain.bench import harness
+    from moetrain.bench.gpu_state import describe
     from moetrain.bench.timing import matmul_tflops
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -83,6 +84,8 @@ def run_bench(args: argparse.Namespace) -> int:
                     ", ".join(f"{k} {v:.1f}" for k, v in r.phases_ms.items())
                     + f"; GPU idle {r.profile['step_ms'] - busy:.1f} of {r.profile['step_ms']:.1f}"
                 )
+            if r.gpu_state:
+                extra[f"{name} {opt} GPU during the timed steps"] = describe(r.gpu_state)
             print(harness.markdown_table([r]), flush=True)
             torch.cuda.empty_cache() if device.type == "cuda" else None
         for peer in args.compare:
@@ -99,6 +102,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(f"skipping {peer}: {exc}", file=sys.stderr)
                 continue
             results.append(hr)
+            if hr.gpu_state:
+                extra[f"{name} {hr.system} GPU during the timed steps"] = describe(hr.gpu_state)
             same = [
                 r
                 for r in results

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from moetrain.bench.gpu_state import GpuStateSampler, nvml_reader
 from moetrain.bench.timing import summarize, time_steps
 from moetrain.config import RunConfig
 from moetrain.model.flops import flops_per_token, param_counts
@@ -47,6 +48,7 @@ class BenchResult:
     phases_ms: dict[str, float] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)  # step_ms under the profiler, top kernels
     cuda_graph: bool = False  # the timed steps were replays of a captured CUDA graph
+    gpu_state: dict[str, Any] | None = None  # SM clock and power during the timed steps (NVML)
 
     def row(self) -> list[str]:
         mfu = "-" if self.mfu_datasheet is None else f"{100 * self.mfu_datasheet:.1f}%"
@@ -171,8 +173,12 @@ def bench_moetrain(
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         it = iter(trainer.train_loader)
-        times = time_steps(lambda: trainer.train_step(it), warmup, steps, dev)
+        step = lambda: trainer.train_step(it)  # noqa: E731
+        time_steps(step, warmup, 0, dev)  # compilation, graph capture: not sampled
+        with GpuStateSampler(nvml_reader(dev)) as gpu:
+            times = time_steps(step, 0, steps, dev)
         result = _result("moetrain", config, routing, optimizer, times, dev, mm_tflops)
+        result.gpu_state = gpu.summary()
         graph = trainer.step_graph
         result.cuda_graph = graph is not None and graph.graph is not None
         result.split_ms = split_step(trainer, it, dev)
@@ -235,9 +241,12 @@ def bench_hf(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     step, model = build_hf_olmoe(config, dev, compile_model=compile_model)
-    times = time_steps(step, warmup, steps, dev)
+    time_steps(step, warmup, 0, dev)
+    with GpuStateSampler(nvml_reader(dev)) as gpu:
+        times = time_steps(step, 0, steps, dev)
     name = "hf-olmoe" + ("-compiled" if compile_model else "")
     result = _result(name, config, "learned", "bf16-adamw", times, dev, mm_tflops)
+    result.gpu_state = gpu.summary()
     del model, step
     if dev.type == "cuda":
         torch.cuda.empty_cache()

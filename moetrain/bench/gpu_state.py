@@ -1,0 +1,120 @@
+"""The GPU's clock and power while a system's timed steps run, sampled through NVML.
+
+Why: a step that keeps the tensor cores busy enough reaches the board's power limit, and the
+driver then lowers the SM clock (on the H200, 700 W: `small` fell from 1980 to 1670-1790 MHz
+while Hugging Face's half-idle steps kept 1980; benchmarks/RESULTS.md, session 8). Two systems
+compared in one job can so run at different clocks, and a step time means little without the
+clock it ran at. `GpuStateSampler` polls on a background thread (NVML calls are host-only and
+do not touch the GPU's queue) and summarizes: median and lowest SM clock, mean and highest
+power, and the share of samples in which the driver reported a power-related clock reduction
+(software power cap or hardware power brake). The clock and the reasons are current values;
+NVML's power reading is averaged by the board (over about a second on recent GPUs), so over a
+run of a few hundred milliseconds it trails the real draw. Without `pynvml` (nvidia-ml-py) or
+off CUDA it records nothing and the summary is None.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# nvmlClocksEventReasonSwPowerCap | nvmlClocksEventReasonHwPowerBrakeSlowdown
+POWER_REASONS = 0x4 | 0x80
+
+
+@dataclass(frozen=True)
+class Sample:
+    sm_clock_mhz: float
+    power_w: float
+    reasons: int  # NVML clock-event reason bits
+
+
+def nvml_reader(device: torch.device) -> Callable[[], Sample] | None:
+    """A function that reads the current Sample of `device`, or None where NVML is unavailable."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = torch.cuda.get_device_properties(device).uuid
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        reasons_fn = getattr(
+            pynvml,
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None),
+        )
+    except Exception:  # no pynvml, no driver access, an unknown device: sample nothing
+        return None
+
+    def read() -> Sample:
+        return Sample(
+            sm_clock_mhz=float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            power_w=pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+            reasons=int(reasons_fn(handle)) if reasons_fn is not None else 0,
+        )
+
+    return read
+
+
+def summarize_samples(samples: list[Sample]) -> dict[str, Any] | None:
+    if not samples:
+        return None
+    clocks = [s.sm_clock_mhz for s in samples]
+    powers = [s.power_w for s in samples]
+    return {
+        "samples": len(samples),
+        "sm_clock_mhz_median": statistics.median(clocks),
+        "sm_clock_mhz_min": min(clocks),
+        "power_w_mean": statistics.fmean(powers),
+        "power_w_max": max(powers),
+        "power_limited_fraction": sum(bool(s.reasons & POWER_REASONS) for s in samples)
+        / len(samples),
+    }
+
+
+class GpuStateSampler:
+    """with GpuStateSampler(reader) as sampler: ...timed work...; then sampler.summary()."""
+
+    def __init__(self, reader: Callable[[], Sample] | None, interval_s: float = 0.02):
+        self.reader, self.interval_s = reader, interval_s
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append(self.reader())
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> GpuStateSampler:
+        if self.reader is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict[str, Any] | None:
+        return summarize_samples(self.samples)
+
+
+def describe(state: dict[str, Any] | None) -> str:
+    """One line for the bench report, or "" without samples."""
+    if not state:
+        return ""
+    return (
+        f"SM clock {state['sm_clock_mhz_median']:.0f} MHz median (lowest "
+        f"{state['sm_clock_mhz_min']:.0f}), power {state['power_w_mean']:.0f} W mean (highest "
+        f"{state['power_w_max']:.0f}), power-limited in {100 * state['power_limited_fraction']:.0f}%"
+        f" of {state['samples']} samples"
+    )
