@@ -317,6 +317,7 @@ def _register_ops() -> None:
         x_MC = rows_of("qkv_norm_rope_backward", qkv, C, 3 * MAX_D)
         grad_qkv = qkv.new_empty(qkv.shape)
         grad_MC = grad_qkv.view(-1, C)
+        cos_SH, sin_SH = cos_SH.contiguous(), sin_SH.contiguous()
         grads = []
         for col, g, w, rstd, copy in (
             (0, grad_q, q_weight, rstd_q, None),
@@ -328,8 +329,8 @@ def _register_ops() -> None:
             if x_MC.numel():
                 launch_qk_norm_rope_backward(
                     rows_of("qkv_norm_rope_backward", g, width), x_MC[:, col : col + width],
-                    w.contiguous(), rstd.reshape(-1).contiguous(), cos_SH.contiguous(),
-                    sin_SH.contiguous(), grad_MC, partial_PD, S, head_dim, wrap=wrap_triton,
+                    w.contiguous(), rstd.reshape(-1).contiguous(), cos_SH, sin_SH, grad_MC,
+                    partial_PD, S, head_dim, wrap=wrap_triton,
                     grad_x_col=col, copy=copy,
                 )  # fmt: skip
             else:
