@@ -52,6 +52,20 @@ def test_sampler_polls_in_the_background_until_exit():
     assert sampler.summary() == summarize_samples(sampler.samples)
 
 
+def test_a_failing_reader_stops_sampling_and_keeps_what_it_read():
+    reads = []
+
+    def reader():
+        reads.append(1)
+        if len(reads) == 3:
+            raise RuntimeError("NVML went away")
+        return Sample(1500.0, 200.0, 0x4)
+
+    with GpuStateSampler(reader, interval_s=0.001) as sampler:
+        sampler._thread.join(5)  # the thread ends by itself once the reader fails
+    assert len(sampler.samples) == 2 and sampler.summary()["power_limited_fraction"] == 1.0
+
+
 def test_no_gpu_means_no_samples():
     assert nvml_reader(torch.device("cpu")) is None
     with GpuStateSampler(None) as sampler:

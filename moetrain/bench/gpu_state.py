@@ -89,7 +89,10 @@ class GpuStateSampler:
 
     def _run(self) -> None:
         while True:
-            self.samples.append(self.reader())
+            try:
+                self.samples.append(self.reader())
+            except Exception:  # the device went away or NVML failed: keep what was read
+                return
             if self._stop.wait(self.interval_s):
                 return
 
