@@ -15,14 +15,10 @@ import argparse
 import time
 
 import torch
+from gemm_bench import group_offsets  # benchmarks/ is the script's directory, on sys.path
 
 from moetrain.bench.timing import kernel_ms
 from moetrain.presets import get_preset
-
-
-def group_offsets(T: int, K: int, E: int) -> torch.Tensor:
-    ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices.flatten()
-    return torch.bincount(ids, minlength=E).cumsum(0).to(torch.int32)
 
 
 def products(
@@ -50,7 +46,7 @@ def main() -> None:
     c = get_preset(args.preset)
     T = c.train.micro_batch_size * c.train.seq_len
     N, E = T * c.moe.top_k, c.moe.num_experts
-    offs = group_offsets(T, c.moe.top_k, E)
+    offs = group_offsets(T, c.moe.top_k, E, "cuda")
     print(f"{args.preset}: {N} rows, {E} groups, D={c.model.d_model}, F={c.moe.expert_hidden}")
     options = {"max_autotune_gemm": True, "max_autotune_gemm_backends": args.backends}
     total = {"eager": 0.0, "autotuned": 0.0}
