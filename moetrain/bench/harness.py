@@ -128,6 +128,17 @@ def bench_config(config: RunConfig, routing: str, optimizer: str) -> RunConfig:
     return config.with_overrides(overrides)
 
 
+def timed_steps(
+    step, warmup: int, steps: int, device: torch.device
+) -> tuple[list[float], dict[str, Any] | None]:
+    """(ms per timed step, the GPU's clock and power over the timed steps): `warmup` untimed
+    steps first (compilation, graph capture), which the GPU-state sampler does not see."""
+    time_steps(step, warmup, 0, device)
+    with GpuStateSampler(nvml_reader(device)) as gpu:
+        times = time_steps(step, 0, steps, device)
+    return times, gpu.summary()
+
+
 @contextlib.contextmanager
 def warmed_trainer(
     config: RunConfig,
@@ -173,12 +184,9 @@ def bench_moetrain(
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         it = iter(trainer.train_loader)
-        step = lambda: trainer.train_step(it)  # noqa: E731
-        time_steps(step, warmup, 0, dev)  # compilation, graph capture: not sampled
-        with GpuStateSampler(nvml_reader(dev)) as gpu:
-            times = time_steps(step, 0, steps, dev)
+        times, gpu_state = timed_steps(lambda: trainer.train_step(it), warmup, steps, dev)
         result = _result("moetrain", config, routing, optimizer, times, dev, mm_tflops)
-        result.gpu_state = gpu.summary()
+        result.gpu_state = gpu_state
         graph = trainer.step_graph
         result.cuda_graph = graph is not None and graph.graph is not None
         result.split_ms = split_step(trainer, it, dev)
@@ -241,12 +249,10 @@ def bench_hf(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     step, model = build_hf_olmoe(config, dev, compile_model=compile_model)
-    time_steps(step, warmup, 0, dev)
-    with GpuStateSampler(nvml_reader(dev)) as gpu:
-        times = time_steps(step, 0, steps, dev)
+    times, gpu_state = timed_steps(step, warmup, steps, dev)
     name = "hf-olmoe" + ("-compiled" if compile_model else "")
     result = _result(name, config, "learned", "bf16-adamw", times, dev, mm_tflops)
-    result.gpu_state = gpu.summary()
+    result.gpu_state = gpu_state
     del model, step
     if dev.type == "cuda":
         torch.cuda.empty_cache()
