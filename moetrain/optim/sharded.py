@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from moetrain.dist_compat import all_gather_flat, reduce_scatter_flat
 from moetrain.moe.experts import GroupedExperts
 from moetrain.optim.buckets import (
     Bucket,
@@ -46,10 +47,6 @@ from moetrain.optim.buckets import (
     param_entries,
 )
 from moetrain.optim.clip import EXPERT, clip_coefficient
-
-# torch >= 2.13 renamed the flat collectives; older versions only have the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -191,7 +188,7 @@ class ShardedAdamW:
         for index in range(len(bucket.params)):
             self._collect_grad(bucket, index)
         if bucket.group is not None:
-            bucket.work = _reduce_scatter(
+            bucket.work = reduce_scatter_flat(
                 bucket.grad_shard, bucket.grads_flat, group=bucket.group, async_op=True
             )
         bucket.launched = True
@@ -306,7 +303,7 @@ class ShardedAdamW:
             bucket.params_flat.copy_(bucket.master)
             return None
         bucket.staging.copy_(bucket.master)
-        return _all_gather(bucket.params_flat, bucket.staging, group=bucket.group, async_op=True)
+        return all_gather_flat(bucket.params_flat, bucket.staging, group=bucket.group, async_op=True)
 
     @torch.no_grad()
     def zero_grad(self) -> None:

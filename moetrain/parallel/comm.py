@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from moetrain.dist_compat import all_gather_flat
 from moetrain.moe.payload import check_payload, decode_fp8_rows, encode_fp8_rows
 
 
@@ -90,7 +91,7 @@ def all_gather_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> tor
     if group is None:
         return counts_E.unsqueeze(0)
     out_GE = counts_E.new_empty(group_size(group), counts_E.shape[0])
-    dist.all_gather_single(out_GE.view(-1), counts_E.contiguous(), group=group)
+    all_gather_flat(out_GE.view(-1), counts_E.contiguous(), group=group)
     return out_GE
 
 
