@@ -87,9 +87,12 @@ def _check_inputs(name: str, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: to
 class _WeightCache:
     """Quantized weights, reused until the weight changes.
 
-    An entry is valid while its tensor object is alive and `w._version` is unchanged (in-place
-    updates, e.g. the optimizer step, bump it). Updates through `.data` bypass the version counter:
-    call `clear()` after those. Costs one byte per weight element per cached layout.
+    An entry is valid while its tensor object is alive and `w._version` is unchanged. In-place
+    torch ops bump it; writes torch cannot see (a Triton kernel's raw pointers, collectives into a
+    bucket that `.data` views) do not, so moetrain's optimizers call
+    `torch.autograd.graph.increment_version` on every parameter they update that way. Anyone else
+    writing weights like that must do the same, or call `clear()`. Costs one byte per weight
+    element per cached layout.
     """
 
     def __init__(self) -> None:

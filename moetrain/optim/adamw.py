@@ -189,6 +189,9 @@ class AdamW:
                     grad_scale=grad_scale,
                     found_inf=found_inf,
                 )
+        # The kernel wrote the parameters through raw pointers, which autograd's version counters
+        # do not see; caches keyed on `param._version` (the FP8 weights) must.
+        torch.autograd.graph.increment_version(self.params)
 
     def zero_grad(self) -> None:
         for p in self.params:

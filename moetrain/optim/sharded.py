@@ -126,9 +126,11 @@ class ShardedAdamW:
         }
         self.buckets = make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype)
         device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
-        # Steps applied so far, on the device (a skipped step is decided there); float64 so the
-        # bias corrections round exactly as torch.optim.AdamW's Python-float ones do.
-        self.step_count = torch.zeros((), dtype=torch.float64, device=device)
+        # Steps applied so far, on the device (a skipped step is decided there). float32, the
+        # dtype torch.optim.AdamW(fused=True) keeps: the CUDA fused kernel reads the step as a
+        # float (a float64 step reads as garbage there and gave NaN), and every step count below
+        # 2**24 is exact in float32.
+        self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self._where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._hook(bucket, index))
@@ -292,11 +294,18 @@ class ShardedAdamW:
             gathers.append(self._launch_gather(bucket))
 
         # (5) Wait for the gathers: every parameter holds its new value on every rank.
+        self._finish_gathers(gathers)
+        self._reset_sync()
+        return total_norm
+
+    def _finish_gathers(self, gathers: list) -> None:
+        """Wait for the parameter all-gathers, then bump every parameter's version counter: the
+        gathers wrote through the buckets (each `.data` is a view the parameter does not share
+        its counter with), and caches keyed on `param._version` (the FP8 weights) must see it."""
         for work in gathers:
             if work is not None:
                 work.wait()
-        self._reset_sync()
-        return total_norm
+        torch.autograd.graph.increment_version([p for b in self.buckets for p in b.params])
 
     def _launch_gather(self, bucket: Bucket):
         if bucket.group is None:
@@ -382,10 +391,7 @@ class ShardedAdamW:
                 for piece in self._pieces_of(bucket, index):
                     start = base + piece.param_lo
                     shard[piece.lo : piece.hi] = flat[start : start + piece.hi - piece.lo]
-        gathers = [self._launch_gather(bucket) for bucket in self.buckets]
-        for work in gathers:
-            if work is not None:
-                work.wait()
+        self._finish_gathers([self._launch_gather(bucket) for bucket in self.buckets])
 
     @torch.no_grad()
     def reset_masters(self) -> None:

@@ -465,3 +465,38 @@ def test_load_state_dict_rejects_wrong_global_shape():
     state["state"]["weight"]["exp_avg"] = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="weight.exp_avg has shape"):
         optimizer.load_state_dict(state)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fused_update_matches_torch_fused_adamw():
+    """The users' path on a GPU: bf16 parameters, fp32 masters and gradient buckets, clipping,
+    torch's fused CUDA AdamW on the flat shards, against torch.optim.AdamW(fused=True) on fp32
+    copies. (A float64 step count read as float by the CUDA kernel gave NaN from step 1.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 16))
+    model = model.to("cuda", torch.bfloat16)
+    twin = copy.deepcopy(model)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    optimizer = ShardedAdamW(
+        _plain_groups(model), dense_group=None, expert_group=None, lr=1e-2, grad_dtype=torch.float32
+    )
+    for _ in range(4):
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+        model(x).float().square().mean().backward()
+        twin(x).float().square().mean().backward()
+        for p, m in zip(twin.parameters(), master, strict=True):
+            m.grad, p.grad = p.grad.float(), None
+        norm = optimizer.step(1e-2, max_grad_norm=0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(master, 0.5)
+        ref.step()
+        ref.zero_grad()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(twin.parameters(), master, strict=True):
+                p.copy_(m)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    for p, m in zip(model.parameters(), master, strict=True):
+        assert torch.isfinite(p).all()
+        assert torch.equal(p, m.to(torch.bfloat16)) or _rel_err(p, m) <= 4e-3
