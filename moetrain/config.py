@@ -270,10 +270,14 @@ class PrecisionConfig:
     master_weights: bool = True  # keep fp32 master weights and moments when params are bf16
     experts: Literal["bf16", "fp8_rowwise", "mxfp8"] = "bf16"
     dispatch: Literal["bf16", "fp8"] = "bf16"
+    # dtype in which bf16 parameters' gradients accumulate over micro-batches and are reduced
+    # over ranks (fp32: Megatron's main_grad, FSDP2's reduce dtype); fp32 parameters: fp32
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
         s = "precision"
         _choice(s, self, "param_dtype", ("auto", "fp32", "bf16"))
+        _choice(s, self, "grad_dtype", ("fp32", "bf16"))
         _choice(s, self, "experts", ("bf16", "fp8_rowwise", "mxfp8"))
         _choice(s, self, "dispatch", ("bf16", "fp8"))
 
@@ -303,6 +307,9 @@ class RunConfig:
                 "applies to the replicated AdamW; train.optimizer (sharded) updates its flat "
                 "shards with torch's fused AdamW",
             )
+        for name, width in (("model.d_model", self.model.d_model), ("moe.expert_hidden", self.moe.expert_hidden)):  # fmt: skip
+            if width % 8:  # torch._grouped_mm wants 16-byte rows: 8 bf16 or 4 fp32 elements
+                _fail(name, width, "must be a multiple of 8 (the expert GEMM's 16-byte rows in bf16)")
         if self.parallel.pp > self.model.num_layers:
             _fail(
                 "parallel.pp",

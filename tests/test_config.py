@@ -101,3 +101,11 @@ def test_cuda_graph_on_where_it_cannot_run_is_an_error(tmp_path):
     )  # None on CPU: not graphed
     with pytest.raises(ValueError, match=r"train\.cuda_graph \(true\).*CUDA"):
         Trainer(config.with_overrides(["train.cuda_graph=true"]), tmp_path / "b", progress=False)
+
+
+@pytest.mark.parametrize("field, value", [("model.d_model", 60), ("moe.expert_hidden", 100)])
+def test_expert_gemm_widths_are_checked_at_start_up(field, value):
+    """torch._grouped_mm needs 16-byte rows; a width it cannot run is a config error, not a
+    silent per-expert loop at every step."""
+    with pytest.raises(ValueError, match=f"{field}.*multiple of 8"):
+        tiny().with_overrides([f"{field}={value}", "model.num_heads=4"])

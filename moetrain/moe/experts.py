@@ -39,13 +39,31 @@ def grouped_mm_reference(
     return out_NF
 
 
+def grouped_mm_unsupported_reason(dtype: torch.dtype, widths: dict[str, int]) -> str | None:
+    """Why `torch._grouped_mm` cannot multiply operands of `dtype` whose rows have these widths
+    (name -> elements), or None: it needs fp32/bf16/fp16 and rows of a multiple of 16 bytes."""
+    if dtype not in _GROUPED_MM_DTYPES:
+        return f"torch._grouped_mm has no {dtype} kernel"
+    size = torch.empty((), dtype=dtype).element_size()
+    bad = [f"{name} ({n})" for name, n in widths.items() if n * size % 16]
+    if bad:
+        return f"{' and '.join(bad)} must be multiples of {16 // size} in {dtype} (16-byte rows)"
+    return None
+
+
 def grouped_mm(x_ND: torch.Tensor, w_eDF: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` where it supports the dtype and strides (rows of 16-byte multiples),
-    else the reference loop (float64 tests, odd toy shapes)."""
-    aligned = all(n * x_ND.element_size() % 16 == 0 for n in w_eDF.shape[1:])
-    if x_ND.dtype in _GROUPED_MM_DTYPES and aligned:
-        return torch._grouped_mm(x_ND, w_eDF, offs=offsets_e)
-    return grouped_mm_reference(x_ND, w_eDF, offsets_e)
+    """`torch._grouped_mm`: one kernel for all experts, offsets read on the device.
+
+    float64 (a dtype only tests use: training runs bf16 or fp32) takes the reference loop. Any
+    other shape or dtype the kernel rejects is a ValueError, never a silent slow loop with a host
+    sync; `model.d_model` and `moe.expert_hidden` are checked against this at start-up."""
+    if x_ND.dtype == torch.float64:
+        return grouped_mm_reference(x_ND, w_eDF, offsets_e)
+    d, f = w_eDF.shape[1:]
+    reason = grouped_mm_unsupported_reason(x_ND.dtype, {"the input width": d, "output width": f})
+    if reason is not None:
+        raise ValueError(f"grouped_mm: {reason}")
+    return torch._grouped_mm(x_ND, w_eDF, offs=offsets_e)
 
 
 class GroupedExperts(nn.Module):

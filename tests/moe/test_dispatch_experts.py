@@ -38,32 +38,51 @@ def test_dispatch_then_combine_with_identity_experts_is_exact():
     torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts", [[5, 0, 7, 3], [0, 0, 15, 0], [4, 4, 4, 3]])
-def test_grouped_mm_matches_loop_including_empty_experts(counts):
+def test_grouped_mm_matches_loop_including_empty_experts(counts, dtype):
+    """torch._grouped_mm (16-byte rows: the widths a config allows) against the fp64 loop."""
     torch.manual_seed(0)
-    x = torch.randn(sum(counts), 8, requires_grad=True)
-    w = torch.randn(4, 8, 6, requires_grad=True)
+    x64, w64 = torch.randn(sum(counts), 16, dtype=torch.float64), torch.randn(4, 16, 24, dtype=torch.float64)  # fmt: skip
+    x, w = x64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     offs = torch.tensor(counts).cumsum(0).int()
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     y, y_ref = grouped_mm(x, w, offs), grouped_mm_reference(x2, w2, offs)
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(y)
-    y.backward(g)
+    assert y.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(y.double(), y_ref, **tol)
+    g = torch.randn_like(y_ref)
+    y.backward(g.to(dtype))
     y_ref.backward(g)
-    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x2.grad, **tol)
+    torch.testing.assert_close(w.grad.double(), w2.grad, **tol)
     for e, c in enumerate(counts):
         if c == 0:
             assert w.grad[e].abs().max() == 0
 
 
+def test_grouped_mm_rejects_what_the_kernel_cannot_run():
+    """No silent host-synced loop: unaligned widths are a ValueError naming the fix."""
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"output width \(6\) must be multiples of 4"):
+        grouped_mm(torch.randn(5, 8), torch.randn(2, 8, 6), offs)
+    with pytest.raises(ValueError, match=r"multiples of 8 in torch.bfloat16"):
+        grouped_mm(torch.randn(5, 12).bfloat16(), torch.randn(2, 12, 16).bfloat16(), offs)
+
+
 def test_grouped_experts_vs_reference_backend():
     torch.manual_seed(0)
-    fast = GroupedExperts(3, 8, 5)
-    slow = GroupedExperts(3, 8, 5, gemm=grouped_mm_reference)
+    fast = GroupedExperts(3, 16, 8)
+    slow = GroupedExperts(3, 16, 8, gemm=grouped_mm_reference)
     for p in fast.parameters():
         p.data.normal_()
     slow.load_state_dict(fast.state_dict())
-    rows = torch.randn(11, 8)
+    rows = torch.randn(11, 16)
     offs = torch.tensor([4, 4, 11], dtype=torch.int32)
-    torch.testing.assert_close(fast(rows, offs), slow(rows, offs), rtol=1e-5, atol=1e-5)
+    y_fast, y_slow = fast(rows, offs), slow(rows, offs)
+    torch.testing.assert_close(y_fast, y_slow, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y_fast)
+    y_fast.backward(g)
+    y_slow.backward(g)
+    for p, q in zip(fast.parameters(), slow.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
