@@ -18,7 +18,7 @@ from torch import nn
 
 from moetrain.kernels.topk import route_topk
 from moetrain.moe import balance
-from moetrain.moe.recompute import is_recomputing
+from moetrain.moe.recompute import forward_value
 
 
 @dataclass
@@ -93,15 +93,18 @@ class TopKRouter(nn.Module):
 
     def _draw_rng(self, x: torch.Tensor) -> torch.Generator:
         """The generator for this forward's random experts, seeded by (seed, draw number). An
-        activation-checkpoint recompute reuses the draw number of the forward it repeats."""
+        activation-checkpoint recompute reuses the draw number of the forward it repeats
+        (recorded on the checkpoint's tape: under a pipeline schedule other forwards run
+        between the two)."""
         if self._generator is None or self._generator.device != x.device:
             self._generator = torch.Generator(device=x.device)
-        if is_recomputing():
-            draw = self.draws - 1
-        else:
-            draw, self.draws = self.draws, self.draws + 1
+        draw = forward_value(self._next_draw)
         self._generator.manual_seed(self.seed * 1_000_003 + draw)
         return self._generator
+
+    def _next_draw(self) -> int:
+        self.draws += 1
+        return self.draws - 1
 
     def reset_buffers(self) -> None:
         if self.expert_bias_E is not None:

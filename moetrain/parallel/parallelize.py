@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from moetrain.config import RunConfig
 from moetrain.model.transformer import Transformer
 from moetrain.moe.layer import MoELayer
-from moetrain.moe.recompute import recomputing
+from moetrain.moe.recompute import ForwardTape, recording, recomputing
 from moetrain.parallel.comm import all_reduce_counts
 from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep
@@ -77,8 +77,10 @@ def apply_global_load_balance(model: Transformer, config: RunConfig, dims: Paral
 
 
 def _recompute_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
-    # The recompute runs under `recomputing()`, so dispatcher statistics count each route once.
-    return contextlib.nullcontext(), recomputing()
+    # One tape per checkpointed call: the forward records its random-routing draws on it, the
+    # recompute replays them; it runs under `recomputing()`, so statistics count routes once.
+    tape = ForwardTape()
+    return recording(tape), recomputing(tape)
 
 
 def _checkpoint_forward(module: nn.Module) -> None:

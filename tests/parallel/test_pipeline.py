@@ -38,10 +38,11 @@ from moetrain.presets import tiny
 pytestmark = pytest.mark.distributed
 
 STEPS, BATCH, SEQ, VOCAB, LAYERS, ACCUM = 3, 2, 16, 64, 4, 4
+MOE_OPTIONS = ("dispatcher", "routing")
 
 
 def tiny_config(pp: int, dp: int, ep: int, schedule: str, **options) -> RunConfig:
-    parallel = {k: v for k, v in options.items() if k != "dispatcher"}
+    parallel = {k: v for k, v in options.items() if k not in MOE_OPTIONS}
     return RunConfig(
         model=ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=LAYERS, num_heads=4),
         moe=MoEConfig(
@@ -141,16 +142,19 @@ def run_case(config: RunConfig) -> None:
 def _run_cases(rank, world_size, cases):
     for pp, dp, ep, schedule, options in cases:
         config = tiny_config(pp, dp, ep, schedule, **options)
-        if "dispatcher" in options:  # a moe option
-            moe = dataclasses.replace(config.moe, dispatcher=options["dispatcher"])
-            config = dataclasses.replace(config, moe=moe)
+        moe_options = {k: v for k, v in options.items() if k in MOE_OPTIONS}
+        if moe_options:
+            config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, **moe_options))
         run_case(config)
 
 
 def test_pp2_matches_single_process():
-    """Every schedule at pp=2 (world 2), and 1f1b with activation checkpointing."""
+    """Every schedule at pp=2 (world 2), and 1f1b with activation checkpointing; with random
+    routing too, where a recompute runs several micro-batches after its forward and must draw
+    that forward's experts."""
     cases = [(2, 1, 1, s, {}) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")]
     cases.append((2, 1, 1, "1f1b", {"activation_checkpointing": "full"}))
+    cases.append((2, 1, 1, "1f1b", {"activation_checkpointing": "moe", "routing": "random"}))
     run_distributed(_run_cases, 2, cases)
 
 
