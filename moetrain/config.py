@@ -157,10 +157,15 @@ class ParallelConfig:
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     activation_checkpointing: Literal["none", "moe", "full"] = "none"
     compile: bool | None = None  # torch.compile each block; None: on for CUDA, off on CPU
+    # process-group backend. auto: nccl on CUDA, gloo on CPU. gloo on CUDA lets several ranks
+    # share one GPU (rank r on GPU r mod #GPUs): collectives are staged through the host, for
+    # tests and debugging of the multi-rank code on real kernels only, never for speed
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     def __post_init__(self) -> None:
         s = "parallel"
         _positive(s, self, "dp", "ep", "pp", "pp_microbatches")
+        _choice(s, self, "backend", ("auto", "nccl", "gloo"))
         _choice(s, self, "pp_schedule", ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
         _choice(s, self, "data_parallel", ("ddp", "fsdp"))
         _choice(s, self, "activation_checkpointing", ("none", "moe", "full"))

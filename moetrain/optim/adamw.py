@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from moetrain.optim.clip import clip_coefficient
+from moetrain.optim.clip import clip_coefficient, grad_of
 
 
 class AdamW:
@@ -112,7 +112,7 @@ class AdamW:
     ) -> None:
         for group in self.opt.param_groups:
             group["lr"] = lr * group["lr_mult"]
-        if self.kernel == "triton" and all(p.grad is not None for p in self.params):
+        if self.kernel == "triton" and all(grad_of(p) is not None for p in self.params):
             self._triton_update(skip, clip)
             return
         if isinstance(lr, torch.Tensor):
@@ -129,7 +129,12 @@ class AdamW:
             self.kernel = "torch"
         if self.use_masters:
             for master, p in zip(self.masters, self.params, strict=True):
-                master.grad = None if p.grad is None else p.grad.float()
+                grad = grad_of(p)
+                master.grad = None if grad is None else grad.float()
+        else:  # torch's kernels want gradients of the parameters' dtype in .grad
+            for p in self.params:
+                if p.grad is None and grad_of(p) is not None:
+                    p.grad = grad_of(p).to(p.dtype)
         targets = self.masters if self.use_masters else self.params
         if self.fused:
             self.opt.found_inf = skip.float()
@@ -165,7 +170,7 @@ class AdamW:
             launches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             for target in group["params"]:
                 p = next(model_params)
-                key = (p.dtype, p.grad.dtype, self.opt.state[target]["exp_avg"].dtype)
+                key = (p.dtype, grad_of(p).dtype, self.opt.state[target]["exp_avg"].dtype)
                 launches.setdefault(key, []).append((p, target))
             beta1, beta2 = group["betas"]
             for pairs in launches.values():
@@ -176,7 +181,7 @@ class AdamW:
                 torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))  # all stay equal
                 multi_tensor_adamw_(
                     params,
-                    [p.grad for p in params],
+                    [grad_of(p) for p in params],
                     [state["exp_avg"] for state in states],
                     [state["exp_avg_sq"] for state in states],
                     [t for _, t in pairs] if self.use_masters else None,
@@ -196,6 +201,8 @@ class AdamW:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad = None
 
     def state_dict(self) -> dict[str, Any]:
         """Keyed by parameter name: {name: {"step", "exp_avg", "exp_avg_sq"[, "master"]}}."""

@@ -33,6 +33,14 @@ def params_with_kinds(param_groups: Sequence[dict[str, Any]]) -> list[tuple[torc
     return [(p, group["kind"]) for group in param_groups for p in group["params"]]
 
 
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient for the optimizer step: `param.main_grad` where the gradient sync
+    keeps it in a buffer of another dtype (fp32 for bf16 parameters, moetrain.parallel.data;
+    autograd refuses a `.grad` whose dtype is not the parameter's), else `param.grad`."""
+    main = getattr(param, "main_grad", None)
+    return param.grad if main is None else main
+
+
 def sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squared elements over `tensors`, as an fp32 scalar on `device` (0 when empty).
     One Triton launch on GPU (moetrain.kernels.sum_of_squares_triton), foreach norms elsewhere."""
@@ -65,8 +73,9 @@ def global_grad_norm(
     device = torch.device("cpu")
     for param, kind in params_with_kinds:
         device = param.device
-        if param.grad is not None:
-            (expert if kind == EXPERT else dense).append(param.grad)
+        grad = grad_of(param)
+        if grad is not None:
+            (expert if kind == EXPERT else dense).append(grad)
     dense_sq = sum_of_squares(dense, device)
     expert_sq = sum_of_squares(expert, device)
     if ep_group is not None:
@@ -88,7 +97,7 @@ def clip_grad_norm_(
     before clipping. Same arithmetic as `torch.nn.utils.clip_grad_norm_` (norm + 1e-6)."""
     pairs = list(params_with_kinds)
     total_norm = global_grad_norm(pairs, ep_group=ep_group, pp_group=pp_group)
-    grads = [p.grad for p, _ in pairs if p.grad is not None]
+    grads = [g for g in (grad_of(p) for p, _ in pairs) if g is not None]
     if grads:
         torch._foreach_mul_(grads, clip_coefficient(total_norm, max_norm))
     return total_norm

@@ -42,10 +42,13 @@ from moetrain.parallel.mesh import ParallelDims
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    group: ProcessGroup
+    group: ProcessGroup | None  # None: nothing to reduce (accumulation only)
+    dtype: torch.dtype  # of the flat buffer: the gradient accumulation and reduction dtype
+    accumulate: bool  # gradients are added into the buffer at every backward, .grad freed
     flat: torch.Tensor | None = None  # allocated once the bucket is closed
     offsets: list[int] = field(default_factory=list)
     ready: list[bool] = field(default_factory=list)
+    fresh: list[bool] = field(default_factory=list)  # nothing accumulated yet this step
     work: dist.Work | None = None
 
     def numel(self) -> int:
@@ -55,35 +58,66 @@ class _Bucket:
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        p0 = self.params[0]
-        self.flat = torch.empty(self.offsets[-1], dtype=p0.dtype, device=p0.device)
+        self.flat = torch.empty(self.offsets[-1], dtype=self.dtype, device=self.params[0].device)
         self.ready = [False] * len(self.params)
+        self.fresh = [True] * len(self.params)
 
     def view(self, slot: int) -> torch.Tensor:
         return self.flat[self.offsets[slot] : self.offsets[slot + 1]].view_as(self.params[slot])
 
-    def copy_in(self, slot: int) -> None:
+    def collect(self, slot: int) -> None:
+        """Accumulation mode: add this backward's .grad into the buffer (the first one of a step
+        is copied, so no memset pass is needed) and free it."""
         grad = self.params[slot].grad
-        if grad is None:  # unused this step on this rank: contributes zero
+        if grad is not None:
+            view = self.view(slot)
+            view.copy_(grad) if self.fresh[slot] else view.add_(grad)
+            self.fresh[slot] = False
+            self.params[slot].grad = None
+
+    def copy_in(self, slot: int) -> None:
+        """The slot's final gradient is in place: zero if it never got one this step (unused on
+        this rank: it contributes zero)."""
+        if self.accumulate:
+            self.collect(slot)  # a .grad written without the hook (a pipeline's weight pass)
+            if self.fresh[slot]:
+                self.view(slot).zero_()
+        elif self.params[slot].grad is None:
             self.view(slot).zero_()
         else:
-            self.view(slot).copy_(grad)
+            self.view(slot).copy_(self.params[slot].grad)
         self.ready[slot] = True
 
 
 class GradientSync:
     """DDP-style gradient synchronization for a model whose parameters are all local (apply_ep
-    may have sharded the experts). A no-op when dp is 1."""
+    may have sharded the experts), and the gradients' accumulation dtype.
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, bucket_mb: float = 25.0) -> None:
+    `grad_dtype` None: gradients accumulate in the parameters' dtype in `.grad` (autograd's own
+    accumulation) and are reduced in it; a no-op when dp is 1. A dtype (fp32 with bf16
+    parameters: Megatron's main_grad, FSDP2's reduce dtype): every parameter's gradient lives
+    in a flat buffer of that dtype, which each backward's `.grad` is added into and then freed,
+    reduced in that dtype; after `finish()` each gradient is a view of the buffer (also at dp 1,
+    where it only accumulates). The buffer view is `param.main_grad` (autograd refuses a `.grad`
+    of another dtype); optimizers read it through `moetrain.optim.clip.grad_of`. Accumulating 16 bf16 micro-batch gradients in bf16 measured
+    5.3e-3 relative error against 1.7e-3 in fp32 (issue #22)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dims: ParallelDims,
+        bucket_mb: float = 25.0,
+        grad_dtype: torch.dtype | None = None,
+    ) -> None:
         self.dims = dims
         self._sync_enabled = True
         self._buckets: list[_Bucket] = []
         self._slot: dict[nn.Parameter, tuple[_Bucket, int]] = {}
-        self._divide_only: list[nn.Parameter] = []  # experts without replicas (edp 1)
+        self._divide_only: list[nn.Parameter] = []  # experts without replicas (edp 1), no buffer
         self._next_launch = 0
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        if dims.dp == 1:
+        self.accumulate = grad_dtype is not None
+        if dims.dp == 1 and not self.accumulate:
             return
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if any(isinstance(p, DTensor) for _, p in named):
@@ -95,12 +129,13 @@ class GradientSync:
         for name, param in reversed(named):
             expert = is_expert_param(name)
             group = dims.edp_group if expert else dims.dp_group
-            if group is None:
+            if group is None and not self.accumulate:
                 self._divide_only.append(param)
                 continue
-            key = (expert, param.dtype, param.device)
+            dtype = grad_dtype or param.dtype
+            key = (expert, dtype, param.device)
             if key not in open_buckets:  # buckets are numbered in the order they open
-                open_buckets[key] = _Bucket(params=[], group=group)
+                open_buckets[key] = _Bucket([], group, dtype, self.accumulate)
                 self._buckets.append(open_buckets[key])
             bucket = open_buckets[key]
             self._slot[param] = (bucket, len(bucket.params))
@@ -123,14 +158,16 @@ class GradientSync:
             self._sync_enabled = previous
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._sync_enabled:
-            return
         bucket, slot = self._slot[param]
-        if bucket.work is not None:
+        if bucket.work is not None or bucket.ready[slot]:
             raise RuntimeError(
                 "a gradient changed after its all-reduce started: run every backward of a step "
                 "but the last under GradientSync.no_sync(), and call finish() after the last"
             )
+        if bucket.accumulate:
+            bucket.collect(slot)
+        if not self._sync_enabled:
+            return
         bucket.copy_in(slot)
         self._launch_in_order()
 
@@ -143,12 +180,13 @@ class GradientSync:
                         bucket.copy_in(slot)
             elif not all(bucket.ready):
                 return
-            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+            if bucket.group is not None:
+                bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
             self._next_launch += 1
 
     def finish(self) -> None:
         """After the last backward of a step: every gradient becomes the synchronized one."""
-        if self.dims.dp == 1:
+        if not self._buckets and not self._divide_only:
             return
         # 1. Launch the buckets backward did not complete (no_sync steps, unused parameters).
         self._launch_in_order(force=True)
@@ -156,16 +194,22 @@ class GradientSync:
         for param in self._divide_only:
             if param.grad is not None:
                 param.grad.div_(self.dims.dp)
-        # 3. Wait, divide, copy back; reset for the next step.
+        # 3. Wait, divide (the mean over dp), hand the gradients over; reset for the next step.
         for bucket in self._buckets:
-            bucket.work.wait()
-            bucket.flat.div_(self.dims.dp)
+            if bucket.work is not None:
+                bucket.work.wait()
+            if self.dims.dp > 1:
+                bucket.flat.div_(self.dims.dp)
             for slot, param in enumerate(bucket.params):
-                if param.grad is None:
+                if bucket.accumulate:  # read through moetrain.optim.clip.grad_of
+                    param.main_grad = bucket.view(slot)
+                elif param.grad is None:
                     param.grad = bucket.view(slot).clone()
                 else:
                     param.grad.copy_(bucket.view(slot))
-            bucket.work, bucket.ready = None, [False] * len(bucket.params)
+            bucket.work = None
+            bucket.ready = [False] * len(bucket.params)
+            bucket.fresh = [True] * len(bucket.params)
         self._next_launch = 0
 
     def remove(self) -> None:

@@ -103,9 +103,12 @@ def init_distributed(config: RunConfig, device_type: str | None = None) -> Paral
     launch = read_launch_env()
     dp, ep, pp = validate_layout(config, launch.world_size)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(config, device_type, launch.world_size)
     if device_type == "cuda":
-        torch.cuda.set_device(launch.local_rank)
-        device = torch.device("cuda", launch.local_rank)
+        # nccl: one GPU per local rank; gloo: local ranks share the GPUs there are
+        index = launch.local_rank if backend == "nccl" else launch.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device(device_type)
 
@@ -135,11 +138,17 @@ def init_distributed(config: RunConfig, device_type: str | None = None) -> Paral
         os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
         os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
         dist.init_process_group(
-            backend="nccl" if device_type == "cuda" else "gloo",
+            backend=backend,
             rank=launch.rank,
             world_size=launch.world_size,
-            device_id=device if device_type == "cuda" else None,
+            device_id=device if backend == "nccl" else None,
         )
+        if backend == "gloo" and device_type == "cuda" and launch.rank == 0:
+            print(
+                f"note: parallel.backend=gloo on CUDA: {launch.world_size} ranks on "
+                f"{torch.cuda.device_count()} GPU(s), collectives staged through the host. For "
+                "testing the multi-rank code on real kernels only: this run's speed means nothing"
+            )
     if dist.get_world_size() != launch.world_size:
         raise ValueError(
             f"the process group has {dist.get_world_size()} ranks but the environment says "
@@ -173,6 +182,23 @@ def init_distributed(config: RunConfig, device_type: str | None = None) -> Paral
         edp_rank=edp_rank,
         pp_rank=pp_rank,
     )
+
+
+def resolve_backend(config: RunConfig, device_type: str, world_size: int) -> str:
+    """parallel.backend: auto is nccl on CUDA and gloo elsewhere; a choice this device or layout
+    cannot run is an error naming the field."""
+    choice = config.parallel.backend
+    if choice == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if choice == "nccl" and device_type != "cuda":
+        raise ValueError(f"parallel.backend (nccl) needs CUDA; the device is {device_type}")
+    if choice == "gloo" and device_type == "cuda" and config.parallel.pp > 1 and world_size > 1:
+        raise ValueError(
+            "parallel.backend (gloo) on CUDA cannot run parallel.pp "
+            f"({config.parallel.pp}): gloo has no point-to-point for CUDA tensors, which the "
+            "pipeline schedules send between stages; use nccl (one GPU per rank) or the CPU"
+        )
+    return choice
 
 
 def destroy_distributed() -> None:

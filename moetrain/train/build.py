@@ -27,6 +27,7 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
     distributed optimizer (train.optimizer = sharded), which reduce-scatters them itself."""
     t = config.train
     groups = build_param_groups(model, t)
+    grad_dtype = resolve_grad_dtype(model, config, dims)
     if t.optimizer == "sharded":
         if config.parallel.data_parallel == "fsdp":
             raise ValueError(
@@ -44,9 +45,11 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
             global_slices=expert_global_slices(model, config.moe.num_experts),
             pp_group=dims.pp_group,
             param_order=[n for n, _ in model.named_parameters()],
+            grad_dtype=grad_dtype,
         )
     fsdp = config.parallel.data_parallel == "fsdp"
-    grad_sync = GradientSync(model, dims) if dims.world_size > 1 and not fsdp else None
+    needs_sync = (dims.world_size > 1 or grad_dtype is not None) and not fsdp
+    grad_sync = GradientSync(model, dims, grad_dtype=grad_dtype) if needs_sync else None
     pairs = params_with_kinds(groups)
 
     def norm_fn() -> torch.Tensor:
@@ -66,6 +69,24 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
     )
     optimizer.init_state()
     return optimizer
+
+
+def resolve_grad_dtype(
+    model: Transformer, config: RunConfig, dims: ParallelDims
+) -> torch.dtype | None:
+    """The dtype gradients accumulate and are reduced in, when it is not the parameters' own
+    (None). `precision.grad_dtype` fp32 with bf16 parameters gives fp32, except where nothing
+    is accumulated or reduced (one micro-batch in one data-parallel rank, no pipeline: the one
+    bf16 gradient is exact in fp32, and a buffer would only add a pass over it). FSDP reduces
+    its own gradients; the sharded optimizer always takes fp32 then (its buckets exist anyway)."""
+    if config.precision.grad_dtype != "fp32" or config.parallel.data_parallel == "fsdp":
+        return None
+    if all(p.dtype == torch.float32 for p in model.parameters()):
+        return None
+    accumulates = config.grad_accum_steps(dims.dp) > 1 or dims.dp > 1 or dims.pp > 1
+    if not accumulates and config.train.optimizer != "sharded":
+        return None
+    return torch.float32
 
 
 def resolve_adamw_kernel(choice: str, device: torch.device) -> str:

@@ -24,8 +24,8 @@ from torch import nn
 
 from moetrain import presets
 from moetrain.config import RunConfig
+from moetrain.dist_compat import all_gather_flat_name, reduce_scatter_flat_name
 from moetrain.model.transformer import Transformer, build_model
-from moetrain.optim import sharded
 from moetrain.optim.buckets import SHARD_ALIGN
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.schedule import lr_at
@@ -225,7 +225,8 @@ def _counting(counts: dict[str, int]):
     """Count the optimizer's reduce-scatters, all-gathers and all-reduces into `counts`."""
     for key in ("reduce_scatter", "all_gather", "all_reduce"):
         counts.setdefault(key, 0)
-    originals = sharded._reduce_scatter, sharded._all_gather, dist.all_reduce
+    names = reduce_scatter_flat_name(), all_gather_flat_name(), "all_reduce"
+    originals = tuple(getattr(dist, name) for name in names)
 
     def counted(key, original):
         def call(*args, **kwargs):
@@ -234,13 +235,13 @@ def _counting(counts: dict[str, int]):
 
         return call
 
-    sharded._reduce_scatter = counted("reduce_scatter", originals[0])
-    sharded._all_gather = counted("all_gather", originals[1])
-    dist.all_reduce = counted("all_reduce", originals[2])
+    for key, name, original in zip(("reduce_scatter", "all_gather", "all_reduce"), names, originals, strict=True):  # fmt: skip
+        setattr(dist, name, counted(key, original))
     try:
         yield
     finally:
-        sharded._reduce_scatter, sharded._all_gather, dist.all_reduce = originals
+        for name, original in zip(names, originals, strict=True):
+            setattr(dist, name, original)
 
 
 def _one_layout(g: _Groups, resume_from: str | None, save_to: str | None) -> dict:

@@ -12,6 +12,7 @@ import moetrain.parallel.mesh as mesh_module
 from moetrain.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig
 from moetrain.parallel import all_reduce_stats, init_distributed
 from moetrain.parallel.mesh import read_launch_env, validate_layout
+from moetrain.presets import tiny
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
@@ -118,3 +119,19 @@ def _mesh_world4(rank, world_size):
 @pytest.mark.distributed
 def test_mesh_axes_and_groups_world4():
     assert run_distributed(_mesh_world4, 4) == [True] * 4
+
+
+def test_backend_choice():
+    """auto: nccl on CUDA, gloo on CPU; gloo on CUDA (several ranks on one GPU) is allowed
+    except with a pipeline (no CUDA point-to-point in gloo); nccl needs CUDA."""
+    from moetrain.parallel.mesh import resolve_backend
+
+    config = tiny()
+    assert resolve_backend(config, "cuda", 2) == "nccl"
+    assert resolve_backend(config, "cpu", 2) == "gloo"
+    gloo = config.with_overrides(["parallel.backend=gloo"])
+    assert resolve_backend(gloo, "cuda", 2) == "gloo"
+    with pytest.raises(ValueError, match=r"parallel.backend \(gloo\) on CUDA cannot run parallel.pp"):
+        resolve_backend(gloo.with_overrides(["parallel.pp=2"]), "cuda", 2)
+    with pytest.raises(ValueError, match=r"parallel.backend \(nccl\) needs CUDA"):
+        resolve_backend(config.with_overrides(["parallel.backend=nccl"]), "cpu", 2)
