@@ -141,8 +141,10 @@ def run_case(config: RunConfig) -> None:
 def _run_cases(rank, world_size, cases):
     for pp, dp, ep, schedule, options in cases:
         config = tiny_config(pp, dp, ep, schedule, **options)
-        if "dispatcher" in options:  # a moe option
-            moe = dataclasses.replace(config.moe, dispatcher=options["dispatcher"])
+        if "dispatcher" in options:  # a moe option; NoSync's capacity factor E / K never drops
+            moe = dataclasses.replace(
+                config.moe, dispatcher=options["dispatcher"], capacity_factor=4.0
+            )
             config = dataclasses.replace(config, moe=moe)
         run_case(config)
 
