@@ -8,8 +8,10 @@ OUT=${OUT:-.}; R=$OUT/RESULTS.md
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 run() { torchrun --standalone --nproc-per-node "$N" -m moetrain bench "$@" --results-md "$R"; }
-# resident experts (NoSync and AllToAll dispatchers) vs the FSDP2 baseline, olmoe-1b-7b
-run --preset olmoe-1b-7b --optimizer mixed --set parallel.ep="$N" --set moe.dispatcher=no_sync
+# resident experts (NoSync and AllToAll dispatchers) vs the FSDP2 baseline, olmoe-1b-7b;
+# NoSync is capacity mode (buffers of about 1.25 T K rows a rank, drops counted), AllToAll dropless
+run --preset olmoe-1b-7b --optimizer mixed --set parallel.ep="$N" --set moe.dispatcher=no_sync \
+  --set moe.capacity_factor=1.25
 run --preset olmoe-1b-7b --optimizer mixed --set parallel.ep="$N" --set moe.dispatcher=all_to_all
 run --preset olmoe-1b-7b --optimizer mixed --set parallel.data_parallel=fsdp
 # distributed optimizer

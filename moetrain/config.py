@@ -128,7 +128,9 @@ class MoEConfig:
     z_loss_weight: float = 0.001
     bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with a per-expert bias
     num_shared_experts: int = 0  # always-on experts of hidden size expert_hidden each
-    capacity_factor: float | None = None  # None: dropless
+    # None: dropless (the exact-split all_to_all dispatcher under expert parallelism); a factor:
+    # capacity mode (no_sync on CUDA), static buffers of about factor x T x K rows per rank
+    capacity_factor: float | None = None
     dispatcher: Literal["auto", "local", "all_to_all", "no_sync"] = "auto"
 
     def __post_init__(self) -> None:
@@ -143,6 +145,14 @@ class MoEConfig:
         _choice(s, self, "routing", ("learned", "random"))
         _choice(s, self, "lb_scope", ("micro_batch", "global_batch"))
         _choice(s, self, "dispatcher", ("auto", "local", "all_to_all", "no_sync"))
+        if self.dispatcher == "no_sync" and self.capacity_factor is None:
+            _fail(
+                "moe.dispatcher",
+                "no_sync",
+                "needs moe.capacity_factor (None, dropless): the no-sync dispatcher has fixed "
+                "buffers and drops the routes beyond capacity. Set moe.capacity_factor (e.g. "
+                "1.25-2.0), or use moe.dispatcher all_to_all (or auto) for dropless routing",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,10 +25,13 @@ from moetrain.moe.experts import GroupedExperts
 from moetrain.optim.param_groups import param_kind
 from moetrain.plan import (
     GIB,
+    ExpertRows,
     Layout,
     Memory,
     default_global_batch_tokens,
+    expert_rows,
     local_experts,
+    microbatch_tokens,
     num_microbatches,
     precision_bytes,
     rank_coordinates,
@@ -112,6 +115,7 @@ class DryRunReport:
     param_bytes: int
     num_microbatches: int
     memory: Memory  # the planner's estimate for this rank
+    expert_rows: ExpertRows  # the rank's expert buffer per MoE layer and micro-batch
 
 
 def _collapse(model: nn.Module) -> list[ParamRow]:
@@ -170,6 +174,7 @@ def dry_run(
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         num_microbatches=num_micro,
         memory=stage_memory(config, layout, stage, num_micro, overhead=int(overhead_gib * GIB)),
+        expert_rows=expert_rows(config, layout.ep, microbatch_tokens(config, layout)),
     )
 
 
@@ -206,6 +211,7 @@ def print_dry_run(report: DryRunReport) -> None:
         f"{lay.micro_batch_size}, checkpointing {lay.activation_checkpointing}) + transient "
         f"{mem.transient / GIB:,.2f} + overhead {mem.overhead / GIB:,.2f}. Nothing was allocated."
     )
+    console.print(f"Expert buffers on this rank: {report.expert_rows.describe()}.")
 
 
 def run_dry_run(config: RunConfig, args: argparse.Namespace) -> int:

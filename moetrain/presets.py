@@ -147,7 +147,7 @@ def _trillion(name: str, num_experts: int) -> RunConfig:
             top_k=8,
             expert_hidden=2048,
             routing="random",
-            dispatcher="all_to_all",  # exact splits: no padding on the wire (see docs/plan.md)
+            dispatcher="all_to_all",  # dropless exact splits, as auto (see docs/plan.md)
         ),
         parallel=ParallelConfig(pp=16, ep=8, activation_checkpointing="none"),
         train=TrainConfig(seq_len=4096, micro_batch_size=1, global_batch_tokens=4096 * 4096),
@@ -161,8 +161,8 @@ def trillion_1_2t() -> RunConfig:
     104 layers of d_model 7168, 56 heads of 128 (multi-head, qk-norm), 256 SwiGLU experts of
     hidden 2048 with top-8 routing in every layer, vocabulary 50,304, untied head; sequences of
     4096, global batch 4096 sequences (16.8M tokens), random routing as in the reference
-    measurement, the exact-split all-to-all dispatcher (dropless NoSync blocks would carry ep
-    times the rows). Layout: pp 16, ep 8 (all-to-all inside a node), no activation checkpointing:
+    measurement, the exact-split all-to-all dispatcher (dropless: no padding on the wire, no
+    dropped routes; NoSync is capacity mode). Layout: pp 16, ep 8 (all-to-all inside a node), no activation checkpointing:
     on 512 B300 within 3% of the planner's best, a 64-stage pipeline at ep 1 (`moetrain plan
     --preset trillion-1.2t --gpus 512 --gpu b300`; docs/plan.md says why the preset keeps this).
     """

@@ -50,6 +50,16 @@ def test_triton_adamw_kernel_is_for_the_replicated_optimizer():
     tiny().with_overrides(["train.optimizer=sharded", "train.adamw_kernel=auto"])  # fine
 
 
+def test_no_sync_needs_a_capacity_factor():
+    """NoSync is capacity mode: without a factor its fixed blocks would need the worst case."""
+    message = r"moe\.dispatcher \('no_sync'\) needs moe\.capacity_factor.*all_to_all"
+    with pytest.raises(ValueError, match=message):
+        tiny().with_overrides(["moe.dispatcher=no_sync"])
+    config = tiny().with_overrides(["moe.dispatcher=no_sync", "moe.capacity_factor=1.25"])
+    assert config.moe.capacity_factor == 1.25
+    tiny().with_overrides(["moe.dispatcher=all_to_all"])  # dropless: fine
+
+
 def test_top_k_message():
     with pytest.raises(ValueError, match=r"moe\.top_k \(9\) must be <= moe\.num_experts \(8\)"):
         tiny().with_overrides(["moe.top_k=9"])

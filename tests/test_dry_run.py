@@ -111,6 +111,25 @@ def test_dry_run_of_the_trillion_preset_agrees_with_the_planner(capsys):
     assert "Nothing was allocated" in out
 
 
+def test_dry_run_shows_the_expert_buffer_rows(capsys):
+    """olmoe-1b-7b at ep 8: exact splits (dropless) take T K rows a rank per MoE layer; NoSync
+    with a capacity factor of 1.25 allocates ep blocks of ceil(1.25 T K / ep) rows."""
+    T, K = 4 * 4096, 8
+    for overrides, dispatcher, rows in (
+        ([], "all_to_all", T * K),
+        (["moe.capacity_factor=1.25"], "no_sync", 8 * 20480),
+    ):
+        config = get_preset("olmoe-1b-7b").with_overrides(["parallel.ep=8", *overrides])
+        report = dry_run(config, layout_from_config(config, 8), 3)
+        assert report.expert_rows == P.ExpertRows(dispatcher, T, T * K, rows)
+        args = build_parser().parse_args(
+            ["train", "--preset", "olmoe-1b-7b", "--dry-run", "--world-size", "8"]
+        )
+        assert run_dry_run(config, args) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"{rows:,} rows per MoE layer and micro-batch" in out and dispatcher in out
+
+
 def test_bad_rank_or_layout_is_a_value_error():
     config = get_preset("small")
     with pytest.raises(ValueError, match="rank"):

@@ -272,17 +272,70 @@ def test_traffic_stays_in_the_node_when_the_group_does():
     assert t_across.all_to_all_inter == pytest.approx(4 * L * T * K * D * 2 * 8 / 16)
     # expert replicas sit ep ranks apart: with ep 8 they are on different nodes
     assert t_in.grad_sync_inter > 0 and across.stages[0].traffic.grad_sync_inter > 0
-    # NoSyncDispatcher (auto on GPUs) sends fixed blocks: dropless, T min(K, e) rows per block
-    no_sync = config.with_overrides(["moe.dispatcher=auto"])
-    padded = P.estimate(no_sync, cluster, across.layout, tokens).stages[0].traffic
-    assert padded.all_to_all_inter == pytest.approx(t_across.all_to_all_inter * 16 * 4 / 8)
-    capped = no_sync.with_overrides(["moe.capacity_factor=1.25"])
+    # dropless auto is the exact-split all_to_all; with a capacity factor, NoSyncDispatcher
+    # (auto on GPUs) sends ep fixed blocks of ceil(1.25 T K / ep) rows
+    auto = config.with_overrides(["moe.dispatcher=auto"])
+    auto_traffic = P.estimate(auto, cluster, across.layout, tokens).stages[0].traffic
+    assert auto_traffic == t_across
+    capped = auto.with_overrides(["moe.capacity_factor=1.25"])
     capped_traffic = P.estimate(capped, cluster, across.layout, tokens).stages[0].traffic
     assert capped_traffic.all_to_all_inter == pytest.approx(t_across.all_to_all_inter * 1.25)
     piped = P.estimate(config, cluster, P.Layout(pp=2, dp=8, ep=8, micro_batch_size=4), tokens)
     # stages sit dp = 8 ranks apart: on different nodes
     assert piped.stages[0].traffic.pipeline_intra == 0
     assert piped.stages[0].traffic.pipeline_inter > 0
+
+
+def test_olmoe_1b_7b_at_ep8_fits_an_h200_with_expert_buffers_of_at_most_2TK(capsys):
+    """The default (dropless) run at ep 8 uses exact splits: T K rows a rank per MoE layer, not
+    NoSync's worst case of 8 T K (10.7 GB of saved activations a layer, 203 GiB at the peak).
+    With a capacity factor of 2, NoSync's fixed blocks hold 2 T K rows. Both fit an H200 with
+    the preset's micro-batch and no checkpointing, and the activations follow the rows."""
+    config = get_preset("olmoe-1b-7b")
+    cluster = P.Cluster(gpu=P.GPUS["h200"], num_gpus=8)
+    layout = P.Layout(pp=1, dp=8, ep=8, micro_batch_size=config.train.micro_batch_size)
+    T, K, D, F = 4 * 4096, 8, 2048, 1024
+    rows = {}
+    for cf, dispatcher in ((None, "all_to_all"), (2.0, "no_sync")):
+        run = config.with_overrides([f"moe.capacity_factor={cf}"]) if cf else config
+        e = P.estimate(run, cluster, layout, P.default_global_batch_tokens(run, 8))
+        assert e.expert_rows == P.ExpertRows(dispatcher, T, T * K, int((cf or 1) * T * K))
+        assert e.expert_rows.rows <= 2 * T * K
+        assert e.fits, f"cf={cf}: {e.peak_memory / P.GIB:.1f} GiB"
+        rows[cf] = e.expert_rows.rows
+        _, _, ffn = P.block_activation_bytes(run, T, moe=True, ep=8)
+        rows[cf, "ffn"] = ffn
+    # the saved dispatched rows, gate|up and SwiGLU outputs: a (D + 3 F) bytes a row
+    assert rows[2.0, "ffn"] - rows[None, "ffn"] == 2 * (rows[2.0] - rows[None]) * (D + 3 * F)
+    argv = ["--preset", "olmoe-1b-7b", "--gpus", "8", "--ep", "8", "--micro-batch-size", "4"]
+    argv += ["--checkpointing", "none"]
+    assert _cli([*argv, "--json"]) == 0
+    (best,) = json.loads(capsys.readouterr().out)["layouts"][:1]
+    assert best["fits"] and best["dispatcher"] == "all_to_all"
+    assert best["expert_rows_per_layer"] == best["routes_per_layer"] == T * K
+    assert _cli(argv) == 0
+    assert f"{T * K:,} rows per MoE layer" in capsys.readouterr().out
+
+
+def test_planner_resolves_the_dispatcher_as_the_trainer_does_on_gpus():
+    from types import SimpleNamespace
+
+    from moetrain.parallel.expert import resolve_dispatcher
+
+    for choice in ("auto", "all_to_all", "no_sync"):
+        for cf in (None, 1.25):
+            if choice == "no_sync" and cf is None:
+                continue  # a config error
+            for ep in (1, 2, 8):
+                config = get_preset("small").with_overrides(
+                    [
+                        f"moe.dispatcher={choice}",
+                        f"moe.capacity_factor={cf or ''}",
+                        f"parallel.ep={ep}",
+                    ]
+                )
+                dims = SimpleNamespace(ep=ep, device=torch.device("cuda"))
+                assert P.resolved_dispatcher(config, ep) == resolve_dispatcher(config, dims)
 
 
 def test_trillion_preset_matches_the_reference_totals():

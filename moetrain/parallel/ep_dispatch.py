@@ -7,10 +7,11 @@ rank, x = local expert (global expert = d * e + x). Rank g owns experts [g*e, (g
 Both classes implement `moetrain.moe.dispatch.Dispatcher`: `dispatch` returns rows grouped by
 LOCAL expert with int32 cumulative end offsets, `combine` returns y_TD = sum_k w_tk * y(route tk),
 and both are differentiable (the backward of each all-to-all is the reverse all-to-all).
-- `AllToAllDispatcher` (baseline, dropless): exact variable splits; the one host sync reads split
-  sizes in `_sync_split_sizes`.
-- `NoSyncDispatcher`: every shape is fixed by (T, K, G, capacity) before the step, every decision
-  is computed on device, the transport moves fixed blocks. Dropped routes contribute zero.
+- `AllToAllDispatcher` (dropless): exact variable splits; the one host sync reads split sizes in
+  `_sync_split_sizes`. Its buffers hold exactly the routed rows.
+- `NoSyncDispatcher` (capacity mode): every shape is fixed by (T, K, G, capacity factor) before
+  the step, every decision is computed on device, the transport moves fixed blocks. Dropped
+  routes contribute zero. It requires a capacity factor (moetrain.moe.capacity says why).
 `payload="fp8"` (precision.dispatch) sends the dispatched rows FP8-quantized (moetrain.moe.payload);
 the combine and all gradients travel in the activations' dtype.
 Statistics count training forwards only: not under no_grad (evaluation), and not during
@@ -19,7 +20,6 @@ activation-checkpoint recomputation (see `recomputing`), so each route counts on
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +27,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from moetrain.moe.balance import count_tokens_per_expert
+from moetrain.moe.capacity import no_sync_capacities
 from moetrain.moe.dispatch import inverse_permutation, sort_routes, weighted_sum_of_routes
 from moetrain.moe.payload import check_payload
 from moetrain.moe.recompute import is_recomputing
@@ -193,17 +194,24 @@ class NoSyncHandle:
 class NoSyncDispatcher:
     """GPU-resident dispatch (DESIGN.md): count, share counts, decide, move fixed blocks, compute,
     return. Every rank must call it with the same T (training micro-batches do); evaluation with
-    ragged batches should use AllToAllDispatcher."""
+    ragged batches should use AllToAllDispatcher. Capacity mode: a rank's receive buffer is G
+    blocks of B = min(ceil(cf T K / G), T min(K, e)) rows, about cf T K; there is no dropless
+    variant (its blocks would need the worst case, G T min(K, e) rows per rank)."""
 
     def __init__(
         self,
         num_experts: int,
         group: ProcessGroup | None,
         ep_rank: int,
-        capacity_factor: float | None = None,
+        capacity_factor: float,
         transport: Transport | None = None,
         payload: str = "bf16",
     ) -> None:
+        if capacity_factor is None or capacity_factor <= 0:
+            raise ValueError(
+                f"NoSyncDispatcher needs a capacity factor > 0, got {capacity_factor!r}: set "
+                "moe.capacity_factor (e.g. 1.25-2.0), or use the dropless all_to_all dispatcher"
+            )
         self.group, self.num_experts, self.ep_rank = group, num_experts, ep_rank
         self.num_ranks = group_size(group)
         assert num_experts % self.num_ranks == 0 and 0 <= ep_rank < self.num_ranks
@@ -215,16 +223,11 @@ class NoSyncDispatcher:
         self._routes = self._rows_allocated = 0  # host-known totals since the last read
 
     def capacities(self, num_tokens: int, top_k: int) -> tuple[int, int]:
-        """(expert_capacity, block_rows), host integers fixed by the shapes. A token routes to an
-        expert at most once, so one source sends at most T*min(K, e) rows to one rank: dropless
-        blocks use that worst case, and no capacity is ever tighter than it."""
-        G, T, K = self.num_ranks, num_tokens, top_k
-        worst_block = T * min(K, self.num_local)
-        if self.capacity_factor is None:
-            return G * T, worst_block
-        cf = self.capacity_factor
-        expert_capacity = math.ceil(round(cf * G * T * K / self.num_experts, 6))
-        return expert_capacity, min(math.ceil(round(cf * T * K / G, 6)), worst_block)
+        """(expert_capacity, block_rows), host integers fixed by the shapes
+        (`moetrain.moe.capacity.no_sync_capacities`)."""
+        return no_sync_capacities(
+            num_tokens, top_k, self.num_ranks, self.num_experts, self.capacity_factor
+        )
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult

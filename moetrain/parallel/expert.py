@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.config import RunConfig
+from moetrain.moe.capacity import auto_dispatcher
 from moetrain.moe.dispatch import Dispatcher, LocalDispatcher
 from moetrain.moe.layer import MoELayer
 from moetrain.optim.param_groups import param_kind
@@ -30,13 +31,12 @@ def is_expert_param(name: str) -> bool:
 
 
 def resolve_dispatcher(config: RunConfig, dims: ParallelDims) -> str:
-    """moe.dispatcher "auto": local without expert parallelism, else no_sync on cuda and
-    all_to_all elsewhere (gloo runs the portable baseline)."""
+    """moe.dispatcher "auto": local without expert parallelism; at ep > 1 no_sync on cuda when
+    moe.capacity_factor is set (capacity mode), else all_to_all (dropless, and the portable
+    baseline that gloo runs). `moetrain.moe.capacity.auto_dispatcher` is the rule."""
     choice = config.moe.dispatcher
     if choice == "auto":
-        if dims.ep == 1:
-            return "local"
-        return "no_sync" if dims.device.type == "cuda" else "all_to_all"
+        return auto_dispatcher(dims.ep, dims.device.type == "cuda", config.moe.capacity_factor)
     if choice == "local" and dims.ep > 1:
         raise ValueError(
             f"moe.dispatcher ('local') cannot move tokens between ranks; parallel.ep is {dims.ep}:"

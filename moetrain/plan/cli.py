@@ -145,8 +145,8 @@ def _print_table(
         f"{num_fit} of {len(estimates)} layouts fit"
     )
     columns = ["pp", "dp", "ep", "mb", "ckpt", "micro", "step s", "tok/s/GPU", "TFLOP/s/GPU"]
-    for name in columns + ["MFU", "peak GiB", "fits"]:
-        table.add_column(name, justify="left" if name == "ckpt" else "right")
+    for name in columns + ["MFU", "dispatch", "rows/layer", "peak GiB", "fits"]:
+        table.add_column(name, justify="left" if name in ("ckpt", "dispatch") else "right")
     for e in best:
         lay = e.layout
         table.add_row(
@@ -157,6 +157,8 @@ def _print_table(
             f"{e.tokens_per_s_per_gpu:,.0f}",
             f"{e.tflops_per_gpu:,.0f}",
             f"{e.mfu:.1%}",
+            e.expert_rows.dispatcher,
+            f"{e.expert_rows.rows:,}",
             f"{e.peak_memory / GIB:,.1f}",
             "yes" if e.fits else "[red]no[/red]",
         )
@@ -169,6 +171,7 @@ def _print_table(
             f"all-to-all + sends {e.comm_s:.3f}s, bubble {e.bubble_s:.3f}s ({e.layout.schedule}), "
             f"gradient sync {e.grad_sync_s:.3f}s, optimizer {e.optimizer_s:.3f}s"
         )
+        console.print(f"best layout's expert buffers on a rank: {e.expert_rows.describe()}")
 
 
 def wide_console() -> Any:

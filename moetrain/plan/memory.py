@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from moetrain.config import ParallelConfig, RunConfig
 from moetrain.model.flops import ParamCounts, flops_per_token, param_counts
+from moetrain.moe.capacity import auto_dispatcher, expert_buffer_rows
 from moetrain.plan.layout import (
     GIB,
     INTERLEAVED_CHUNKS,
@@ -136,24 +137,46 @@ def optimizer_shards(params: RankParams, layout: Layout) -> list[tuple[int, int]
 
 
 def resolved_dispatcher(config: RunConfig, ep: int) -> str:
-    """`parallel.expert.resolve_dispatcher` on GPUs: auto is local without EP, else no_sync."""
+    """`parallel.expert.resolve_dispatcher` on GPUs: auto is local without EP, else no_sync with
+    a capacity factor and all_to_all (dropless) without (`moetrain.moe.capacity`)."""
     if config.moe.dispatcher == "auto":
-        return "local" if ep == 1 else "no_sync"
+        return auto_dispatcher(ep, True, config.moe.capacity_factor)
     return config.moe.dispatcher
 
 
-def routed_rows_per_token(config: RunConfig, ep: int) -> float:
-    """Rows each rank's experts receive (and its sends carry) per local token. Exact splits: top_k
-    on average (uniform routing). NoSyncDispatcher: ep fixed blocks of B rows, where a block
-    holds at most T * min(K, e) rows (dropless: exactly that) and, with a capacity factor c,
-    ceil(c * T * K / ep) rows."""
+@dataclass(frozen=True)
+class ExpertRows:
+    """The rows one rank's experts take in one MoE layer for one micro-batch of `tokens` tokens:
+    the dispatched rows, and (x 2 F) the gate|up output and (x F) the SwiGLU output saved for
+    the backward. local and all_to_all move exactly the `routes` (T K) routed rows: T K on
+    average under uniform routing (all_to_all's share varies with the routing); no_sync
+    allocates ep fixed blocks (`moetrain.moe.capacity.no_sync_capacities`)."""
+
+    dispatcher: str
+    tokens: int
+    routes: int  # T K: this rank's routes
+    rows: int
+
+    def describe(self) -> str:
+        what = {
+            "local": "all experts on the device, exactly the T*K routes",
+            "all_to_all": "dropless, exact splits, T*K expected under uniform routing",
+            "no_sync": "capacity mode, fixed blocks, routes beyond capacity dropped and counted",
+        }.get(self.dispatcher, self.dispatcher)
+        return (
+            f"{self.rows:,} rows per MoE layer and micro-batch = {self.rows / self.routes:.2f} "
+            f"x T*K (T*K = {self.routes:,}); {self.dispatcher}: {what}"
+        )
+
+
+def expert_rows(config: RunConfig, ep: int, tokens: int) -> ExpertRows:
+    """`ExpertRows` of a rank at expert-parallel degree `ep` for `tokens` local tokens."""
     moe = config.moe
-    if resolved_dispatcher(config, ep) != "no_sync" or ep == 1:
-        return float(moe.top_k)
-    worst = ep * min(moe.top_k, moe.num_experts // ep)
-    if moe.capacity_factor is None:
-        return float(worst)
-    return min(moe.capacity_factor * moe.top_k, worst)
+    dispatcher = resolved_dispatcher(config, ep)
+    rows = expert_buffer_rows(
+        dispatcher, tokens, moe.top_k, ep, moe.num_experts, moe.capacity_factor
+    )
+    return ExpertRows(dispatcher=dispatcher, tokens=tokens, routes=tokens * moe.top_k, rows=rows)
 
 
 def norm_activation_bytes(a: int, tokens: int, width: int) -> int:
@@ -171,7 +194,8 @@ def block_activation_bytes(
     whose input, the norm's output, is among its saved tensors).
 
     T tokens, D d_model, q / kv projection widths, N heads, H head dim, E experts, e = E / ep,
-    K top-k, R routed rows per token, F expert hidden; a = activation bytes (2 for bf16):
+    K top-k, F expert hidden, R T the expert buffer rows of the dispatcher (`expert_rows`: T K,
+    or no_sync's fixed blocks); a = activation bytes (2 for bf16):
     - RMSNorm: `norm_activation_bytes`; attn_norm, ffn_norm and the qk-norms over q and k.
     - attention: norm output (shared by the projection), the fused q/k/v projection (its q and
       k are the qk-norms' inputs, its v what SDPA keeps: one storage), q and k after RoPE, the
@@ -206,11 +230,11 @@ def block_activation_bytes(
     if not moe:
         return attention, norm(D), ffn + 4 * a * T * m.dense_hidden_size
     E, K, F = moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.expert_hidden
-    R = routed_rows_per_token(config, ep)
+    rows = expert_rows(config, ep, T).rows  # R T
     ffn += 8 * T * E + 4 * T + 4 * E  # router
     combine_outputs = a * T * K * D if ep > 1 else 0
     ffn += 24 * T * K + combine_outputs + 4 * T * K + 4 * (E // ep)  # dispatch and combine
-    ffn += int(a * R * T * (D + 3 * F))  # rows, gate|up (the swiglu's only save), its output
+    ffn += a * rows * (D + 3 * F)  # rows, gate|up (the swiglu's only save), its output
     ffn += 4 * a * T * F * moe_cfg.num_shared_experts
     return attention, norm(D), ffn
 
@@ -249,7 +273,7 @@ def stage_activation_bytes(
             kept += count * (attention + ffn_norm + ffn)
     if num_moe:
         F = config.moe.expert_hidden
-        recompute += int(a * routed_rows_per_token(config, layout.ep) * T * (D + 2 * F))
+        recompute += a * expert_rows(config, layout.ep, T).rows * (D + 2 * F)
     if stage == 0:
         kept += 8 * T
     elif ckpt != "full":  # the received input; under full it is the first block's kept input

@@ -19,9 +19,11 @@ from moetrain.plan.layout import (
     Layout,
     candidate_layouts,
     default_global_batch_tokens,
+    microbatch_tokens,
     num_microbatches,
     validate_layout,
 )
+from moetrain.plan.memory import ExpertRows, expert_rows
 from moetrain.plan.timing import StageEstimate, bubble_microbatches, stage_estimate
 
 
@@ -43,6 +45,7 @@ class Estimate:
     tflops_per_gpu: float  # model FLOPs (flops.py), recomputation not counted
     mfu: float  # against the datasheet dense BF16 peak
     memory_limit: int
+    expert_rows: ExpertRows  # one rank's expert buffer per MoE layer and micro-batch
 
     @functools.cached_property
     def peak_stage(self) -> StageEstimate:
@@ -68,6 +71,9 @@ class Estimate:
             "mfu": self.mfu,
             "fits": self.fits,
             "peak_memory_gib": self.peak_memory / GIB,
+            "dispatcher": self.expert_rows.dispatcher,
+            "expert_rows_per_layer": self.expert_rows.rows,
+            "routes_per_layer": self.expert_rows.routes,
             "time_s": {
                 "matmul": self.matmul_s,
                 "elementwise": self.elementwise_s,
@@ -118,6 +124,7 @@ def estimate(
         tflops_per_gpu=tflops,
         mfu=tflops / cluster.gpu.bf16_tflops,
         memory_limit=cluster.memory_bytes,
+        expert_rows=expert_rows(config, layout.ep, microbatch_tokens(config, layout)),
     )
 
 

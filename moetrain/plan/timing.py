@@ -26,12 +26,12 @@ from moetrain.plan.memory import (
     Memory,
     RankParams,
     block_activation_bytes,
+    expert_rows,
     in_flight_microbatches,
     layer_params,
     optimizer_shards,
     precision_bytes,
     rank_params,
-    routed_rows_per_token,
     stage_memory,
 )
 
@@ -174,7 +174,7 @@ def _all_to_all(
     a = precision_bytes(config).activation
     D = config.model.d_model
     tokens = microbatch_tokens(config, layout)
-    rows = tokens * routed_rows_per_token(config, layout.ep)  # 1 / ep of them stay on the rank
+    rows = expert_rows(config, layout.ep, tokens).rows  # 1 / ep of them stay on the rank
     dispatch = 1 + 4 / D if config.precision.dispatch == "fp8" else a  # fp8 with a row scale
     forward = rows * D * (dispatch + a)
     backward = rows * D * 2 * a

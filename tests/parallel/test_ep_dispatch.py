@@ -2,25 +2,32 @@
 
 Experts in these tests are "scale by (global expert id + 1)", so every output names the expert
 that produced it. Every rank builds the whole group's inputs from one seed, so each rank can run
-the reference for all ranks without communication.
+the reference for all ranks without communication. NoSyncDispatcher runs in capacity mode only;
+`NEVER_DROPS` (E / K) reaches both of its worst cases, so it computes every route.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import run_distributed
 
+from moetrain.config import MoEConfig, ParallelConfig, RunConfig
 from moetrain.dist_compat import all_gather_flat_name
 from moetrain.moe.balance import count_tokens_per_expert
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.payload import fp8_round_trip_reference
 from moetrain.moe.router import RoutingResult
+from moetrain.parallel import ep_dispatch
 from moetrain.parallel.ep_dispatch import AllToAllDispatcher, NoSyncDispatcher, keep_counts
+from moetrain.parallel.expert import make_dispatcher, resolve_dispatcher
 
 T, K, D, E = 12, 2, 8, 8
+NEVER_DROPS = E / K  # expert capacity G T and blocks of T min(K, e): the worst cases
 
 
 def make_routing(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> RoutingResult:
@@ -95,6 +102,79 @@ def test_keep_counts_matches_the_loop_rule():
         assert torch.equal(kept.view(num_ranks, E), expected)
 
 
+def _dims(ep: int, device: str) -> SimpleNamespace:
+    """What resolve_dispatcher and make_dispatcher read of a ParallelDims."""
+    return SimpleNamespace(ep=ep, device=torch.device(device), ep_group=None, ep_rank=0)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "ep", "num_experts", "cf", "expected"),
+    [
+        # (expert capacity ceil(cf ep T K / E), block rows min(ceil(cf T K / ep), T min(K, e)))
+        (16384, 8, 8, 64, None, None),  # olmoe-1b-7b's micro-batch at ep 8: dropless
+        (16384, 8, 8, 64, 1.25, (20480, 20480)),
+        (16384, 8, 8, 64, 2.0, (32768, 32768)),
+        (12, 2, 4, 8, None, None),
+        (12, 2, 4, 8, 2.0, (24, 12)),
+        (7, 3, 4, 12, 1.1, (8, 6)),  # rounds up: 7.7 and 5.775
+        (10, 8, 16, 16, 2.0, (160, 10)),  # one expert a rank: blocks capped at T min(K, e)
+        (12, 2, 1, 8, 1.0, (3, 24)),  # ep 1 (NoSync chosen explicitly)
+    ],
+)
+def test_expert_buffers_hold_about_cf_T_K_rows_and_dropless_is_exact_splits(
+    monkeypatch, num_tokens, top_k, ep, num_experts, cf, expected
+):
+    """On CUDA at ep > 1, a capacity factor gives NoSync blocks of B rows, G B <= cf T K + G; no
+    capacity factor gives the exact-split AllToAll (T K rows on average), never NoSync's worst
+    case of G T min(K, e) rows a rank (8 T K for olmoe-1b-7b at ep 8)."""
+    monkeypatch.setattr(ep_dispatch, "group_size", lambda group: ep)
+    dispatcher_choice = "auto" if ep > 1 else "no_sync"
+    moe = MoEConfig(
+        num_experts=num_experts, top_k=top_k, capacity_factor=cf, dispatcher=dispatcher_choice
+    )
+    config = RunConfig(moe=moe, parallel=ParallelConfig(ep=ep))
+    dispatcher = make_dispatcher(config, _dims(ep, "cuda"))
+    if cf is None:
+        assert isinstance(dispatcher, AllToAllDispatcher)
+        return
+    assert isinstance(dispatcher, NoSyncDispatcher)
+    expert_capacity, block_rows = dispatcher.capacities(num_tokens, top_k)
+    assert (expert_capacity, block_rows) == expected
+    routes = num_tokens * top_k
+    assert ep * block_rows <= cf * routes + ep
+    assert block_rows <= num_tokens * min(top_k, num_experts // ep)
+    if cf <= 2:
+        assert ep * block_rows <= 2 * routes
+
+
+@pytest.mark.parametrize("cf", [None, 0.0, -1.0])
+def test_no_sync_refuses_to_run_without_a_capacity_factor(cf):
+    """No silent worst-case allocation: NoSync is capacity mode."""
+    with pytest.raises(ValueError, match="capacity.factor"):
+        NoSyncDispatcher(E, None, 0, cf)
+
+
+def test_auto_picks_no_sync_only_with_a_capacity_factor_on_cuda():
+    cases = {
+        # (ep, device, capacity factor, moe.dispatcher): resolved
+        (1, "cuda", None, "auto"): "local",
+        (1, "cuda", 1.25, "auto"): "local",
+        (4, "cuda", None, "auto"): "all_to_all",
+        (4, "cuda", 1.25, "auto"): "no_sync",
+        (4, "cpu", 1.25, "auto"): "all_to_all",
+        (4, "cuda", None, "all_to_all"): "all_to_all",
+        (4, "cuda", 1.25, "all_to_all"): "all_to_all",
+        (4, "cpu", 2.0, "no_sync"): "no_sync",
+        (1, "cpu", 2.0, "no_sync"): "no_sync",
+    }
+    for (ep, device, cf, choice), expected in cases.items():
+        config = RunConfig(
+            moe=MoEConfig(num_experts=E, top_k=K, capacity_factor=cf, dispatcher=choice),
+            parallel=ParallelConfig(ep=ep),
+        )
+        assert resolve_dispatcher(config, _dims(ep, device)) == expected, (ep, device, cf, choice)
+
+
 def test_no_sync_at_ep1_matches_local_dispatch_without_host_syncs(monkeypatch):
     """The real NoSync code path at ep=1 (transport = identity): same outputs and gradients as
     LocalDispatcher with real grouped experts, and not one host read of device data."""
@@ -118,7 +198,7 @@ def test_no_sync_at_ep1_matches_local_dispatch_without_host_syncs(monkeypatch):
 
     for name in ("item", "tolist", "nonzero", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, no_host_sync)
-    actual = run(NoSyncDispatcher(E, None, 0))
+    actual = run(NoSyncDispatcher(E, None, 0, NEVER_DROPS))
     monkeypatch.undo()
     for a, b in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -163,7 +243,7 @@ def _dispatch_world2(rank, world_size):
     #    rank receives are, expert by expert, source by source, in token order, the routed tokens.
     x, ids, w = group_inputs(G, seed=7)
     for kind in ("all_to_all", "no_sync"):
-        dispatcher = make[kind](None)
+        dispatcher = make[kind](NEVER_DROPS)
         rows, offsets, handle = dispatcher.dispatch(x[rank], make_routing(ids[rank], w[rank]))
         expected_rows = [
             x[s, t]
@@ -181,7 +261,7 @@ def _dispatch_world2(rank, world_size):
     #    capacity factors small enough that both the expert and the block limits drop routes.
     for kind, cf, skew in (
         ("all_to_all", None, 0.6),
-        ("no_sync", None, 0.6),
+        ("no_sync", NEVER_DROPS, 0.6),
         ("no_sync", 1.0, 0.6),
         ("no_sync", 0.5, 0.3),
     ):
@@ -197,8 +277,10 @@ def _dispatch_world2(rank, world_size):
             assert calls.counts == {"all_to_all_single": 4, all_gather_flat_name(): 1, "tolist": 0}
             expert_capacity, block_rows = dispatcher.capacities(T, K)
             fits, keep = reference_keep(ids, G, expert_capacity, block_rows)
-            if cf is not None:  # both limits drop routes somewhere in the group
+            if cf < NEVER_DROPS:  # both limits drop routes somewhere in the group
                 assert (~fits).any() and (fits & ~keep).any(), f"cf={cf} does not exercise both"
+            else:
+                assert keep.all()
         else:  # one counts exchange, rows there and back, the same twice in backward
             assert calls.counts == {"all_to_all_single": 5, all_gather_flat_name(): 0, "tolist": 1}
             keep = torch.ones(ids.shape, dtype=torch.bool)
@@ -237,7 +319,7 @@ def _fp8_payload_world2(rank, world_size):
             if kind == "all_to_all":
                 dispatcher = AllToAllDispatcher(E, group, payload)
             else:
-                dispatcher = NoSyncDispatcher(E, group, rank, payload=payload)
+                dispatcher = NoSyncDispatcher(E, group, rank, NEVER_DROPS, payload=payload)
             x_TD = x_in.clone().requires_grad_()
             sent = []
             original = dist.all_to_all_single

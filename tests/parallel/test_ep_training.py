@@ -37,9 +37,17 @@ STEPS, BATCH, SEQ, VOCAB = 3, 2, 16, 64
 
 
 def tiny_config(dp: int, ep: int, dispatcher: str, payload: str = "bf16", **parallel) -> RunConfig:
+    # NoSync is capacity mode; a factor of E / K (4) never drops, so it matches one process
+    capacity_factor = 4.0 if dispatcher == "no_sync" else None
     return RunConfig(
         model=ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, dispatcher=dispatcher),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            expert_hidden=32,
+            dispatcher=dispatcher,
+            capacity_factor=capacity_factor,
+        ),
         parallel=ParallelConfig(dp=dp, ep=ep, **parallel),
         train=TrainConfig(seq_len=SEQ, micro_batch_size=BATCH, seed=3),
         precision=PrecisionConfig(dispatch=payload),

@@ -143,6 +143,8 @@ def _run_cases(rank, world_size, cases):
     for pp, dp, ep, schedule, options in cases:
         config = tiny_config(pp, dp, ep, schedule, **options)
         moe_options = {k: v for k, v in options.items() if k in MOE_OPTIONS}
+        if moe_options.get("dispatcher") == "no_sync":  # capacity factor E / K: never drops
+            moe_options["capacity_factor"] = 4.0
         if moe_options:
             config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, **moe_options))
         run_case(config)
