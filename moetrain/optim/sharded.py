@@ -20,7 +20,8 @@ The trainer's order per optimizer step:
     last micro-batch:                    loss.backward()   # hooks launch reduce-scatters
     norm = opt.step(lr, max_grad_norm, skip=...)           # waits, clips, updates, all-gathers
     opt.zero_grad()
-Checkpoints hold the state in global form (`state_dict`), so they load under any layout.
+Checkpoints hold each rank's shards as chunks of the global tensors (`state_dict`,
+optim/sharded_state.py), never a global copy, and load under any layout.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from moetrain.optim.buckets import (
     param_entries,
 )
 from moetrain.optim.clip import EXPERT, clip_coefficient
+from moetrain.optim.sharded_state import ShardState, copy_chunks, shard_state
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -333,48 +335,39 @@ class ShardedAdamW:
         )
 
     # ---- checkpointing ------------------------------------------------------------------------
-    @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state in GLOBAL form, independent of the parallel layout:
+        """The optimizer state under global names and global shapes, holding only this rank's
+        shards:
 
             {"step": int, "state": {global param name: {"master", "exp_avg", "exp_avg_sq":
-                                    CPU tensor of the parameter's global shape}}}
+                                    ShardState of the parameter's global shape}}}
 
-        Collective over the data-parallel world (every rank must call it; every rank gets the same
-        dict, so torch.distributed.checkpoint deduplicates and writes each tensor once). Each
-        tensor is assembled on the device one at a time: zeros, plus the owned pieces, summed over
-        `dense_group` (owners partition every element, so the sum is exact); it costs host memory
-        for the global state of this pipeline stage on every rank.
+        Each ShardState (optim/sharded_state.py) describes this rank's owned pieces as chunks of
+        the global tensor and views the optimizer's own buffers: nothing is copied or gathered,
+        no collective runs, and torch.distributed.checkpoint writes every element once, from the
+        rank that owns it. Loading the same structure with DCP (under any layout, or into plain
+        global tensors) fills the chunks in place; then call `load_state_dict`.
         """
-        state = {}
-        for name, (bucket, index) in self._where.items():
-            global_shape, first_row = self._layout[name]
-            base = first_row * math.prod(global_shape[1:])
-            entry = {}
-            for key in STATE_KEYS:
-                shard = getattr(bucket, key)
-                full = torch.zeros(math.prod(global_shape), dtype=shard.dtype, device=shard.device)
-                for piece in self._pieces_of(bucket, index):
-                    start = base + piece.param_lo
-                    full[start : start + piece.hi - piece.lo] = shard[piece.lo : piece.hi]
-                if self.dense_group is not None:
-                    dist.all_reduce(full, group=self.dense_group)
-                entry[key] = full.view(global_shape).cpu()
-            state[name] = entry
+        state = {
+            name: {key: self._shard_state(name, getattr(bucket, key)) for key in STATE_KEYS}
+            for name, (bucket, _) in self._where.items()
+        }
         return {"step": int(self.step_count.item()), "state": state}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a `state_dict()` saved under any layout: each rank copies the slices it owns,
-        then the parameters are set from the master weights. No collectives but the final
-        all-gather; without a "master" entry a parameter's current value becomes its master."""
+        """Load the optimizer state, then set the parameters from the master weights (an
+        all-gather, the only collective). Each tensor is either a ShardState of this layout (what
+        `state_dict()` returns, filled by DCP: its chunks are this optimizer's buffers, so there
+        is nothing left to copy) or a plain tensor of the global shape, from which each rank
+        copies the pieces it owns. Without a "master" entry a parameter's current value becomes
+        its master."""
         self.step_count.fill_(int(state_dict["step"]))
         saved = state_dict["state"]
         for name, (bucket, index) in self._where.items():
             if name not in saved:
                 raise ValueError(f"optimizer state has no entry for parameter {name}")
-            global_shape, first_row = self._layout[name]
-            base = first_row * math.prod(global_shape[1:])
+            global_shape, _ = self._layout[name]
             for key in STATE_KEYS:
                 if key not in saved[name] and key == "master":
                     self._reset_master(bucket, index)
@@ -387,11 +380,25 @@ class ShardedAdamW:
                         f"optimizer state {name}.{key} has shape {tuple(tensor.shape)}, "
                         f"expected the global shape {tuple(global_shape)}"
                     )
+                if isinstance(tensor, ShardState):
+                    copy_chunks(tensor, self._shard_state(name, getattr(bucket, key)))
+                    continue
                 flat, shard = tensor.reshape(-1), getattr(bucket, key)
-                for piece in self._pieces_of(bucket, index):
-                    start = base + piece.param_lo
-                    shard[piece.lo : piece.hi] = flat[start : start + piece.hi - piece.lo]
+                for start, lo, hi in self._owned_ranges(name):
+                    shard[lo:hi] = flat[start : start + hi - lo]
         self._finish_gathers([self._launch_gather(bucket) for bucket in self.buckets])
+
+    def _owned_ranges(self, name: str) -> list[tuple[int, int, int]]:
+        """(start in the flattened global tensor, lo, hi in the bucket's shard) of each piece of
+        parameter `name` that this rank owns (at most one: a parameter and a shard are both
+        contiguous in the bucket)."""
+        bucket, index = self._where[name]
+        global_shape, first_row = self._layout[name]
+        base = first_row * math.prod(global_shape[1:])
+        return [(base + p.param_lo, p.lo, p.hi) for p in self._pieces_of(bucket, index)]
+
+    def _shard_state(self, name: str, shard: torch.Tensor) -> ShardState:
+        return shard_state(self._layout[name][0], shard, self._owned_ranges(name))
 
     @torch.no_grad()
     def reset_masters(self) -> None:

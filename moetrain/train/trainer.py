@@ -398,7 +398,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def tensor_state(self) -> dict[str, Any]:
         """What DCP saves and loads in place: every tensor under its global name and shape
-        (expert slices become DTensors; the sharded optimizer assembles global tensors itself)."""
+        (expert slices become DTensors; the sharded optimizer's state describes its own shards as
+        chunks of the global tensors, optim/sharded_state.py)."""
         optim = self.optimizer.state_dict()
         if isinstance(self.optimizer, AdamW):
             optim = globalize_experts(optim, self.dims)

@@ -15,14 +15,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import run_distributed
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from moetrain import presets
+from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
 from moetrain.dist_compat import all_gather_flat_name, reduce_scatter_flat_name
 from moetrain.model.transformer import Transformer, build_model
@@ -30,6 +34,7 @@ from moetrain.optim.buckets import SHARD_ALIGN
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.schedule import lr_at
 from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
+from moetrain.optim.sharded_state import ShardState
 
 pytestmark = pytest.mark.distributed
 
@@ -181,6 +186,10 @@ class _Run:
     def global_params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint holds: the global weights and the optimizer's state dict."""
+        return {"model": self.global_params(), "optim": self.optimizer.state_dict()}
+
     def train_step(self, step: int, counts: dict[str, int] | None = None) -> float:
         """One optimizer step; `counts` receives the optimizer's collectives of this step."""
         g, accum = self.g, MICRO_BATCHES // self.g.dp
@@ -244,9 +253,79 @@ def _counting(counts: dict[str, int]):
             setattr(dist, name, original)
 
 
+def _held(optimizer: ShardedAdamW, state: dict) -> dict:
+    """What this rank's optimizer state dict holds, in elements: `held` in its tensors (a
+    ShardState's chunks), `owned` by this rank (its pieces of every bucket, x 3 state tensors),
+    `global` (the state's global size); `views`: every held tensor is a view of the optimizer's
+    own shards (nothing was copied); `shard`: the largest shard of a bucket."""
+    buffers = {
+        t.untyped_storage().data_ptr()
+        for b in optimizer.buckets
+        for t in (b.master, b.exp_avg, b.exp_avg_sq)
+    }
+    tensors = [value for entry in state["state"].values() for value in entry.values()]
+    chunks = [data for value in tensors for _, data in _chunks(value)]
+    return {
+        "held": sum(c.numel() for c in chunks),
+        "owned": 3 * sum(p.hi - p.lo for b in optimizer.buckets for p in b.pieces),
+        "global": sum(value.numel() for value in tensors),
+        "views": all(c.untyped_storage().data_ptr() in buffers for c in chunks),
+        "shard": max(b.master.numel() for b in optimizer.buckets),
+        "io_largest": 0,
+        "io_total": 0,
+    }
+
+
+@contextlib.contextmanager
+def _recording_io(stats: dict):
+    """Record in `stats` the largest and the total element count of the optimizer-state tensors
+    DCP writes from (a save) or copies into (a load) on this rank."""
+    originals = DefaultSavePlanner.resolve_data, DefaultLoadPlanner.resolve_tensor
+
+    def record(fqn: str, tensor):
+        if fqn.startswith("optim.state.") and isinstance(tensor, torch.Tensor):
+            stats["io_largest"] = max(stats["io_largest"], tensor.numel())
+            stats["io_total"] += tensor.numel()
+        return tensor
+
+    DefaultSavePlanner.resolve_data = lambda self, item: record(
+        item.index.fqn, originals[0](self, item)
+    )
+    DefaultLoadPlanner.resolve_tensor = lambda self, item: record(
+        item.dest_index.fqn, originals[1](self, item)
+    )
+    try:
+        yield
+    finally:
+        DefaultSavePlanner.resolve_data, DefaultLoadPlanner.resolve_tensor = originals
+
+
+def _chunks(value: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(offsets, data) of what a state tensor holds; a plain tensor is global, one chunk."""
+    return value.chunks() if isinstance(value, ShardState) else [((0,) * value.dim(), value)]
+
+
+def _global_state(optimizer: ShardedAdamW, g: _Groups) -> dict[str, torch.Tensor]:
+    """The optimizer state as full global tensors, assembled the way `state_dict` did before it
+    kept to the shard (zeros plus the owned chunks, summed over the data-parallel world)."""
+    state = optimizer.state_dict()
+    out = {"step": torch.tensor(state["step"])}
+    for name, entry in state["state"].items():
+        for key, value in entry.items():
+            full = torch.zeros(value.shape, dtype=value.dtype)
+            for offsets, data in _chunks(value):
+                box = tuple(slice(o, o + n) for o, n in zip(offsets, data.shape, strict=True))
+                full[box] = data
+            if g.dense is not None and isinstance(value, ShardState):
+                dist.all_reduce(full, group=g.dense)
+            out[f"{name}.{key}"] = full
+    return out
+
+
 def _one_layout(g: _Groups, resume_from: str | None, save_to: str | None) -> dict:
-    """A fresh run of STEPS steps (saving after SAVE_AT if asked), then optionally a second run
-    that resumes from a checkpoint after SAVE_AT steps and finishes."""
+    """A fresh run of STEPS steps (saving a checkpoint after SAVE_AT if asked), then optionally
+    a second run that resumes from a checkpoint after SAVE_AT steps and finishes. Checkpoints go
+    through the checkpoint manager (DCP), as the trainer's do."""
     run = _Run(g)
     out: dict = {
         "norms": [],
@@ -260,25 +339,32 @@ def _one_layout(g: _Groups, resume_from: str | None, save_to: str | None) -> dic
         out["norms"].append(run.train_step(step, counts))
         out["counts"].append(counts)
         if step + 1 == SAVE_AT and save_to is not None:
-            checkpoint = {"model": run.global_params(), "optim": run.optimizer.state_dict()}
-            if g.rank == 0:
-                torch.save(checkpoint, save_to)
+            checkpoint = run.checkpoint_state()
+            out["saved"] = _held(run.optimizer, checkpoint["optim"])
+            with _recording_io(out["saved"]):
+                manager.save(save_to, SAVE_AT, checkpoint, {}, "")
+            out["saved_global"] = _global_state(run.optimizer, g)
     out["params"] = run.global_params()
     if resume_from is not None:
         resumed = _Run(g)
-        resumed.load(torch.load(resume_from, weights_only=True))
+        checkpoint = resumed.checkpoint_state()
+        out["loaded"] = _held(resumed.optimizer, checkpoint["optim"])
+        with _recording_io(out["loaded"]):
+            manager.load(Path(resume_from) / f"step-{SAVE_AT}", checkpoint)
+        resumed.load(checkpoint)
+        out["loaded_global"] = _global_state(resumed.optimizer, g)
         out["resumed_norms"] = [resumed.train_step(step) for step in range(SAVE_AT, STEPS)]
         out["resumed_params"] = resumed.global_params()
     return out
 
 
-def _layouts_worker(rank: int, world_size: int, jobs: list[tuple]) -> list[dict] | None:
-    """Runs (ep, resume_from, save_to) jobs in order at dp = world_size; rank 0 returns."""
+def _layouts_worker(rank: int, world_size: int, jobs: list[tuple]) -> list[dict]:
+    """Runs (ep, resume_from, save_to) jobs in order at dp = world_size."""
     outs = []
     for ep, resume_from, save_to in jobs:
         outs.append(_one_layout(_make_groups(rank, world_size, ep), resume_from, save_to))
         dist.barrier()  # the checkpoint is on disk before the next job reads it
-    return outs if rank == 0 else None
+    return outs
 
 
 @contextlib.contextmanager
@@ -301,15 +387,22 @@ def reference() -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[tuple[int, int], dict]:
     """Every layout, fresh and resumed. Checkpoints after SAVE_AT steps: one process -> (4, 2);
-    (4, 2) -> (4, 1), (2, 1), (2, 2) and one process."""
+    (4, 2) -> (4, 1), (2, 1), (2, 2) and one process. Each layout's "per_rank" lists every
+    rank's record; "checkpoint" is the directory of the checkpoint it saved."""
     directory = tmp_path_factory.mktemp("checkpoints")
-    ws1, dp4_ep2 = str(directory / "ws1.pt"), str(directory / "dp4_ep2.pt")
+    ws1, dp4_ep2 = str(directory / "ws1"), str(directory / "dp4_ep2")
     with _one_thread():
         one = _one_layout(_Groups(), None, ws1)
-        four = run_distributed(_layouts_worker, 4, [(2, ws1, dp4_ep2), (1, dp4_ep2, None)])[0]
-        two = run_distributed(_layouts_worker, 2, [(1, dp4_ep2, None), (2, dp4_ep2, None)])[0]
+        four = run_distributed(_layouts_worker, 4, [(2, ws1, dp4_ep2), (1, dp4_ep2, None)])
+        two = run_distributed(_layouts_worker, 2, [(1, dp4_ep2, None), (2, dp4_ep2, None)])
         one.update(_one_layout(_Groups(), dp4_ep2, None))
-    return {(1, 1): one, (4, 2): four[0], (4, 1): four[1], (2, 1): two[0], (2, 2): two[1]}
+    out = {(1, 1): one | {"per_rank": [one]}}
+    jobs = {(4, 2): (four, 0), (4, 1): (four, 1), (2, 1): (two, 0), (2, 2): (two, 1)}
+    for layout, (ranks, job) in jobs.items():
+        out[layout] = ranks[0][job] | {"per_rank": [r[job] for r in ranks]}
+    out[1, 1]["checkpoint"] = Path(ws1) / f"step-{SAVE_AT}"
+    out[4, 2]["checkpoint"] = Path(dp4_ep2) / f"step-{SAVE_AT}"
+    return out
 
 
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
@@ -332,6 +425,40 @@ def test_resume_in_another_layout_matches_uninterrupted_run(dp, ep, reference, r
     for got, want in zip(out["resumed_norms"], reference["norms"][SAVE_AT:], strict=True):
         assert abs(got - want) <= REL_TOL * want, f"{what}: grad norm {got} != {want}"
     _assert_state_close(out["resumed_params"], reference["params"][STEPS], what)
+
+
+@pytest.mark.parametrize("dp, ep", LAYOUTS)
+def test_resumed_state_equals_the_saved_global_state_bitwise(dp, ep, runs):
+    """Resharding loses nothing: the state a layout loaded, assembled as global tensors, is the
+    global state of the layout that saved it, bit for bit (the step count too)."""
+    got = runs[dp, ep]["loaded_global"]
+    want = runs[(1, 1) if (dp, ep) == (4, 2) else (4, 2)]["saved_global"]
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("dp, ep", LAYOUTS)
+def test_checkpoint_save_and_load_hold_only_this_ranks_shard(dp, ep, runs):
+    """ZeRO-1 memory at a checkpoint: every rank's optimizer state dict holds exactly the
+    elements it owns (about 1/dp of the state), as views of its own shards, and DCP writes from
+    and copies into nothing larger than one bucket's shard; the files hold chunks no larger
+    than a shard, so what the reader materializes is bounded by the saver's shard too."""
+    for rank, record in enumerate(runs[dp, ep]["per_rank"]):
+        for what in ("saved", "loaded"):
+            if what not in record:
+                continue
+            held, where = record[what], f"rank {rank} ({what}, dp={dp}, ep={ep})"
+            assert held["held"] == held["owned"] == held["io_total"], (where, held)
+            assert held["views"], f"{where}: the state dict holds copies"
+            padding = 3 * SHARD_ALIGN * runs[dp, ep]["num_buckets"]
+            assert held["owned"] <= held["global"] / dp + padding, (where, held)
+            assert held["io_largest"] <= held["shard"], (where, held)
+    if "checkpoint" in runs[dp, ep]:
+        shard = max(r["saved"]["shard"] for r in runs[dp, ep]["per_rank"])
+        saved = manager.read_metadata(runs[dp, ep]["checkpoint"]).state_dict_metadata
+        chunks = [c for k, md in saved.items() if k.startswith("optim.state.") for c in md.chunks]
+        assert max(math.prod(c.sizes) for c in chunks) <= shard
 
 
 @pytest.mark.parametrize("dp, ep", LAYOUTS)
@@ -400,7 +527,7 @@ def test_skip_leaves_everything_unchanged_and_nonfinite_norm_skips():
     model(torch.randn(2, 4)).square().sum().backward()
     optimizer.step(skip=torch.tensor(False))
     optimizer.zero_grad()
-    before = copy.deepcopy(optimizer.state_dict())
+    before = _global_state(optimizer, _Groups())
     weights = [p.detach().clone() for p in model.parameters()]
 
     model(torch.randn(2, 4)).square().sum().backward()
@@ -410,11 +537,10 @@ def test_skip_leaves_everything_unchanged_and_nonfinite_norm_skips():
     norm = optimizer.step(skip=torch.tensor(False))  # skipped: the norm is not finite
     assert not torch.isfinite(norm)
 
-    after = optimizer.state_dict()
+    after = _global_state(optimizer, _Groups())
     assert after["step"] == before["step"] == 1
-    for name, entry in before["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(after["state"][name][key], value), (name, key)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
     for p, w in zip(model.parameters(), weights, strict=True):
         assert torch.equal(p, w)
 
@@ -453,10 +579,10 @@ def test_bf16_params_with_fp32_master_and_fp32_gradient_accumulation():
         with torch.no_grad():
             for p, m in zip(twin.parameters(), master, strict=True):
                 p.copy_(m)
-    state = optimizer.state_dict()["state"]
+    state = _global_state(optimizer, _Groups())
     for (name, p), m in zip(model.named_parameters(), master, strict=True):
-        assert _rel_err(state[name]["master"], m) <= REL_TOL, name
-        assert torch.equal(p, state[name]["master"].to(torch.bfloat16)), name
+        assert _rel_err(state[f"{name}.master"], m) <= REL_TOL, name
+        assert torch.equal(p, state[f"{name}.master"].to(torch.bfloat16)), name
 
 
 def test_load_state_dict_rejects_wrong_global_shape():
