@@ -155,6 +155,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
         progress=not args.quiet,
+        overwrite=args.overwrite,
     )
     print(f"wrote {out}")
     return 0
@@ -219,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--tokenizer", default="byte", help="byte, or a Hugging Face tokenizer.json")
     p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing token directory at --out (runs trained on it cannot resume)",
+    )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_prepare)
 

@@ -6,8 +6,11 @@ A save writes into `step-N.tmp/`: the DCP shards of the tensor state (model, opt
 renames the directory to `step-N/`. A directory without a manifest, or whose name ends in `.tmp`,
 is never picked by `latest()`; a crash mid-save therefore leaves the previous checkpoint as the
 newest complete one. `verify()` rechecks sizes and hashes, so truncation or bit rot is a clear
-error instead of a confusing failure deep inside torch. The newest `keep` checkpoints are kept. A
-failed save (a full disk) removes its temporary directory and raises a `CheckpointError`.
+error instead of a confusing failure deep inside torch. A checkpoint that fails verification on
+resume (or, by its sizes, at rotation) is moved aside to `step-N.corrupt/`: never resumed from,
+never counted among the kept, never deleted. Rotation keeps the newest `keep` checkpoints that
+verify, so it never deletes the newest verified one. A failed save (a full disk) removes its
+temporary directory and raises a `CheckpointError`.
 
 Checkpoints may come from elsewhere, so reading one executes nothing it contains: DCP's `.metadata`
 is a pickle, read here by a restricted unpickler that admits only the classes DCP metadata is made
@@ -43,6 +46,7 @@ from moetrain import faults
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
+CORRUPT = ".corrupt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -211,9 +215,19 @@ def check_writable(directory: Path | str) -> None:
 
 
 def _prune(root: Path, keep: int) -> None:
-    complete = list_complete(root)
-    for path in complete[:-keep] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
+    """Keep the newest `keep` checkpoints that verify (by sizes: hashing every kept checkpoint
+    at every save would cost a full read of each), move aside those that do not, and delete the
+    older ones. The checkpoint just written verifies by construction, so it is always kept."""
+    kept = 0
+    for path in reversed(list_complete(root)):
+        if keep > 0 and kept >= keep:
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        try:
+            verify(path, check_hashes=False)
+            kept += 1
+        except CheckpointError as exc:
+            _report_moved(path, move_aside(path), exc)
     for path in root.glob("step-*.tmp"):  # leftovers of crashed saves
         shutil.rmtree(path, ignore_errors=True)
 
@@ -367,15 +381,51 @@ def check_shapes(path: Path | str, tensor_state: dict[str, Any]) -> None:
         )
 
 
-def latest(root: Path | str, check_hashes: bool = True) -> Path | None:
-    """The newest checkpoint that verifies; corrupted newer ones are reported and skipped."""
+def latest(
+    root: Path | str, check_hashes: bool = True, move_corrupt: bool = False
+) -> Path | None:
+    """The newest checkpoint that verifies; corrupted newer ones are reported and skipped, and
+    with `move_corrupt` (a resuming run's main rank) moved aside to step-N.corrupt/, so that
+    rotation neither keeps them nor deletes an older good checkpoint in their favour."""
     for path in reversed(list_complete(root)):
         try:
             verify(path, check_hashes)
             return path
         except CheckpointError as exc:
-            print(f"warning: skipping checkpoint: {exc}")
+            if move_corrupt:
+                _report_moved(path, move_aside(path), exc)
+            else:
+                print(f"warning: skipping checkpoint: {exc}")
     return None
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a checkpoint that fails verification to step-N.corrupt (-2, -3 ... if taken)."""
+    target = path.with_name(path.name + CORRUPT)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{CORRUPT}-{n}")
+    os.replace(path, target)
+    return target
+
+
+def _report_moved(path: Path, moved: Path, exc: CheckpointError) -> None:
+    print(
+        f"warning: checkpoint {path.name} fails verification ({exc}); moved aside to "
+        f"{moved.name} (never resumed from, never deleted: inspect or delete it yourself)"
+    )
+
+
+def unusable(root: Path | str) -> list[Path]:
+    """Checkpoints under `root` that exist but were moved aside or are complete and not picked:
+    what a resume that found no verified checkpoint must name instead of starting over."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        [*list_complete(root), *root.glob(f"step-*{CORRUPT}*")], key=lambda p: p.name
+    )
 
 
 def resolve(path: Path | str, check_hashes: bool = True) -> Path:

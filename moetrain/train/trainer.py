@@ -27,7 +27,13 @@ import torch.distributed as dist
 from moetrain import faults
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
-from moetrain.data import RandomTokenLoader, SequenceLoader, open_data
+from moetrain.data import (
+    RandomTokenLoader,
+    SequenceLoader,
+    check_same_data,
+    data_fingerprint,
+    open_data,
+)
 from moetrain.model.flops import flops_per_token
 from moetrain.model.transformer import Transformer
 from moetrain.optim.adamw import AdamW
@@ -101,6 +107,7 @@ class Trainer:
 
         # ---- data ----
         self.train_loader, self.val_loader, self.tokenizer = self._build_loaders()
+        self.data_fingerprint = data_fingerprint(config.data)
 
         # ---- state that checkpoints carry ----
         self.step = 0
@@ -120,10 +127,17 @@ class Trainer:
 
         self.resumed_from: Path | None = None
         if resume:
-            latest = manager.latest(self.checkpoint_root)
+            latest = manager.latest(self.checkpoint_root, move_corrupt=self.is_main)
             if latest is not None:
                 self.load_checkpoint(latest)
                 self.resumed_from = latest
+            elif manager.unusable(self.checkpoint_root):
+                names = ", ".join(p.name for p in manager.unusable(self.checkpoint_root))
+                raise manager.CheckpointError(
+                    f"--resume: no checkpoint under {self.checkpoint_root} verifies ({names}); "
+                    "refusing to start over at step 0. Inspect them, or start the run over "
+                    "without --resume and with --overwrite (which deletes them)"
+                )
             elif progress and self.is_main:  # a first start under a requeue-safe --resume
                 print(f"no complete checkpoint under {self.checkpoint_root}: starting at step 0")
         elif init_from is not None:
@@ -415,6 +429,7 @@ class Trainer:
             "spike_total": self.spike_total,
             "train_loader": self.train_loader.state_dict(),
             "world_size": self.dims.world_size,
+            "data_fingerprint": self.data_fingerprint,
             # every router draws once per forward, so one number restores them all
             "routing_draws": max((m.router.draws for m in self.model.moe_layers()), default=0),
             **({"loss_window": self.spikes.state_dict()} if self.spikes is not None else {}),
@@ -435,6 +450,8 @@ class Trainer:
     def load_checkpoint(self, path: str | Path) -> None:
         state = self.tensor_state()
         trainer_state = manager.load(path, state)
+        if trainer_state.get("data_fingerprint") != self.data_fingerprint:
+            check_same_data(self.config.data, trainer_state.get("data_fingerprint"), path)
         self.optimizer.load_state_dict(localize(state["optim"]))
         torch.set_rng_state(state["rng"]["cpu"])
         self.step = trainer_state["step"]
