@@ -140,16 +140,16 @@ def save(
             phase()
         except (OSError, CheckpointException) as exc:  # DCP's own exception is a BaseException
             error = _save_error(root, step, exc)
-        message = _first_error(None if error is None else str(error))
+        message = first_error(None if error is None else str(error))
         if message is not None:
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            _first_error(None)  # no rank returns before the partial directory is gone
+            first_error(None)  # no rank returns before the partial directory is gone
             raise CheckpointError(message) from None
     return final
 
 
-def _first_error(message: str | None) -> str | None:
+def first_error(message: str | None) -> str | None:
     """Every rank's phase outcome, agreed on by all: the first failure's message (with its rank
     when there are several ranks), or None. Also a barrier."""
     if not dist.is_initialized():

@@ -53,6 +53,7 @@ from moetrain.train.build import (
 from moetrain.train.graph import StepGraph
 from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory_gib
 from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
+from moetrain.train.run_lock import RunDirLocked, RunLock
 from moetrain.train.spike import LossSpikeDetector
 
 
@@ -78,9 +79,11 @@ class Trainer:
         self.is_main = self.dims.rank == 0
         self.run_dir = Path(run_dir or Path("runs") / config.name)
         self.checkpoint_root = self.run_dir / "checkpoints"
+        manager.check_writable(self.checkpoint_root)  # fail now, not at the first save
+        self.run_lock = RunLock(self.run_dir) if self.is_main else None
+        self._hold_run_dir()  # before --overwrite may delete anything
         if not resume:
             claim_run_dir(self.run_dir, self.checkpoint_root, overwrite, self.is_main)
-        manager.check_writable(self.checkpoint_root)  # fail now, not at the first save
         self.accum_steps = config.grad_accum_steps(self.dims.dp)
         t = config.train
         self.tokens_per_step = t.micro_batch_size * t.seq_len * self.accum_steps * self.dims.dp
@@ -150,6 +153,19 @@ class Trainer:
         self.metrics = MetricsSink(self.run_dir, enabled=self.is_main)
         self.throughput = Throughput(flops_per_token(config), self.device)
         self.gaming = TokenGamingDetector()
+
+    def _hold_run_dir(self) -> None:
+        """The main rank locks the run directory for the life of the run (train/run_lock.py);
+        every rank raises the same error when another run holds it."""
+        error = None
+        if self.run_lock is not None:
+            try:
+                self.run_lock.acquire()
+            except RunDirLocked as exc:
+                error = str(exc)
+        error = manager.first_error(error)
+        if error is not None:
+            raise RunDirLocked(error)
 
     def _build_step_graph(self) -> StepGraph | None:
         choice = self.config.train.cuda_graph
@@ -242,6 +258,8 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
             destroy_distributed()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def train_step(self, train_iter) -> torch.Tensor:
         """One optimizer step (also what `moetrain bench` times). Returns the loss on device.
