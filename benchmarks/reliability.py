@@ -597,7 +597,7 @@ def hostile_inputs(work: Path) -> Outcome:
         (
             "other model shape",
             ["model.d_model=128"],
-            r"model\.embed\.weight: checkpoint \(320, 64\), this model \(320, 128\)",
+            r"model\.d_model cannot change on --resume \(64 in .*, 128 now\)",
         ),
         ("unknown config key", ["train.lr_max=1"], r"unknown field 'train\.lr_max'"),
         ("wrong config type", ["train.steps=many"], r"train\.steps \('many'\) must be an integer"),

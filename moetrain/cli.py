@@ -46,6 +46,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from moetrain.dry_run import run_dry_run
 
         return run_dry_run(config, args)
+    if args.resume:
+        config = _resume_config(args, config)
     trainer = Trainer(
         config,
         args.run_dir,
@@ -66,6 +68,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.is_main:
         print(json.dumps(summary))
     return 0
+
+
+def _resume_config(args: argparse.Namespace, requested: RunConfig) -> RunConfig:
+    """--resume trains with the run's own config.yaml plus the --set changes it allows
+    (moetrain/config_resume.py), printed; a --preset or YAML given again must agree with it.
+    Without a config.yaml (a first start under a requeue-safe --resume) the requested config."""
+    from pathlib import Path
+
+    from moetrain.config_resume import resume_config
+
+    run_dir = Path(args.run_dir or Path("runs") / requested.name)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return requested
+    given = [f"--preset {args.preset}"] if args.preset else []
+    given += [args.config] if getattr(args, "config", None) else []
+    config, changes = resume_config(
+        RunConfig.load_yaml(saved),
+        args.set or [],
+        str(saved),
+        requested=requested if given else None,
+        requested_from=" and ".join(given),
+    )
+    if changes:
+        print(f"--resume: changes to {saved}: " + "; ".join(changes), file=sys.stderr)
+    args.run_dir = str(run_dir)
+    return config
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

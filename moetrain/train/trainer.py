@@ -27,6 +27,7 @@ import torch.distributed as dist
 from moetrain import faults
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
+from moetrain.config_resume import check_resumable
 from moetrain.data import (
     RandomTokenLoader,
     SequenceLoader,
@@ -466,6 +467,10 @@ class Trainer:
         )
 
     def load_checkpoint(self, path: str | Path) -> None:
+        """Resume from `path`. Its config.yaml must agree with this run's on the architecture and
+        the data (moetrain/config_resume.py); anything else may have changed."""
+        saved = Path(path) / "config.yaml"
+        check_resumable(RunConfig.load_yaml(saved), self.config, str(saved))
         state = self.tensor_state()
         trainer_state = manager.load(path, state)
         if trainer_state.get("data_fingerprint") != self.data_fingerprint:
