@@ -17,12 +17,15 @@ DEFAULT_PRESET = "demo"
 
 
 def load_config(args: argparse.Namespace) -> RunConfig:
-    """CONFIG.yaml or --preset (default: demo), then --set overrides."""
+    """CONFIG.yaml or --preset (default: demo), then --set overrides; an unset model.vocab_size
+    is taken from the tokenizer."""
+    from moetrain.data.loader import resolve_vocab_size
+
     if getattr(args, "config", None):
         config = RunConfig.load_yaml(args.config)
     else:
         config = get_preset(args.preset or DEFAULT_PRESET)
-    return config.with_overrides(args.set or [])
+    return resolve_vocab_size(config.with_overrides(args.set or []))
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -124,10 +127,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moetrain.inference import generate, load_model, tokenizer_for
+    from moetrain.checkpoint.manager import resolve
+    from moetrain.inference import checkpoint_tokenizer, generate, load_model
 
-    model, config = load_model(args.checkpoint, args.device or "cpu")
-    tokenizer = tokenizer_for(config)
+    path = resolve(args.checkpoint)
+    model, config = load_model(path, args.device or "cpu")
+    tokenizer = checkpoint_tokenizer(path, config)
     new_ids = generate(
         model,
         tokenizer.encode(args.prompt),

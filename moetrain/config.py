@@ -49,7 +49,7 @@ def _choice(section: str, obj: Any, name: str, choices: tuple[str, ...]) -> None
 class ModelConfig:
     """The dense part of the transformer (attention, embeddings, norms)."""
 
-    vocab_size: int = 50304
+    vocab_size: int | None = None  # None: the tokenizer's size rounded up to a multiple of 64
     d_model: int = 1024
     num_layers: int = 8
     num_heads: int = 16

@@ -2,7 +2,7 @@
 
 A save writes into `step-N.tmp/`: the DCP shards of the tensor state (model, optimizer, RNG), a
 `trainer.json` with the plain-Python state (step, loader position, counters), the resolved
-`config.yaml`, and last a `manifest.json` listing every file with its size and SHA-256. Then rank 0
+`config.yaml`, the caller's extra files (the trainer's: the run's tokenizer), and last a `manifest.json` listing every file with its size and SHA-256. Then rank 0
 renames the directory to `step-N/`. A directory without a manifest, or whose name ends in `.tmp`,
 is never picked by `latest()`; a crash mid-save therefore leaves the previous checkpoint as the
 newest complete one. `verify()` rechecks sizes and hashes, so truncation or bit rot is a clear
@@ -89,6 +89,7 @@ def save(
     trainer_state: dict[str, Any],
     config_yaml: str,
     keep: int = 2,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final directory. A write that fails on any
     rank (a full disk, a vanished mount) removes `step-N.tmp/` and raises a CheckpointError on
@@ -118,6 +119,8 @@ def save(
             return
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
+        for name, data in (extra_files or {}).items():  # e.g. the run's tokenizer files
+            (tmp / name).write_bytes(data)
         files = {
             p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
             for p in sorted(tmp.iterdir())

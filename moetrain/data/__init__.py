@@ -10,6 +10,7 @@ from moetrain.data.loader import (
     check_same_data,
     data_fingerprint,
     open_data,
+    resolve_vocab_size,
 )
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from moetrain.data.tokens import (
@@ -40,6 +41,7 @@ __all__ = [
     "open_data",
     "prepare",
     "read_meta",
+    "resolve_vocab_size",
     "split_documents",
     "unigram_entropy",
     "write_token_dir",

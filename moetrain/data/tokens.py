@@ -351,7 +351,11 @@ def load_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
     if vocab_size is not None and tokens.size:
         top = int(tokens.max())
         if top >= vocab_size:
-            raise ValueError(f"token id {top} in {path} is >= model.vocab_size ({vocab_size})")
+            raise ValueError(
+                f"token id {top} in {path} is >= model.vocab_size ({vocab_size}); its tokenizer "
+                f"has {meta['vocab_size']} ids: set model.vocab_size to at least that, or leave "
+                "it unset (null) to take it from the tokenizer"
+            )
     return tokens
 
 

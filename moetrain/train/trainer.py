@@ -34,7 +34,9 @@ from moetrain.data import (
     check_same_data,
     data_fingerprint,
     open_data,
+    resolve_vocab_size,
 )
+from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.flops import flops_per_token
 from moetrain.model.transformer import Transformer
 from moetrain.optim.adamw import AdamW
@@ -74,6 +76,7 @@ class Trainer:
         progress: bool = True,
         overwrite: bool = False,
     ) -> None:
+        config = resolve_vocab_size(config)  # unset: from the tokenizer
         self.config = config
         self.dims: ParallelDims = init_distributed(config, device)
         self.device = self.dims.device
@@ -112,6 +115,9 @@ class Trainer:
         # ---- data ----
         self.train_loader, self.val_loader, self.tokenizer = self._build_loaders()
         self.data_fingerprint = data_fingerprint(config.data)
+        self._tokenizer_files = (  # every checkpoint carries them (data/tokenizer_files.py)
+            tokenizer_files(self.tokenizer, t.seq_len) if self.tokenizer is not None else None
+        )
 
         # ---- state that checkpoints carry ----
         self.step = 0
@@ -452,6 +458,7 @@ class Trainer:
             # every router draws once per forward, so one number restores them all
             "routing_draws": max((m.router.draws for m in self.model.moe_layers()), default=0),
             **({"loss_window": self.spikes.state_dict()} if self.spikes is not None else {}),
+            **({"tokenizer": describe(self.tokenizer)} if self.tokenizer is not None else {}),
         }
 
     def save_checkpoint(self) -> Path:
@@ -464,6 +471,7 @@ class Trainer:
             self.trainer_state(),
             yaml.safe_dump(self.config.to_dict(), sort_keys=False),
             keep=self.config.train.keep_checkpoints,
+            extra_files=self._tokenizer_files,
         )
 
     def load_checkpoint(self, path: str | Path) -> None:
