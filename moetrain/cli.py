@@ -11,27 +11,42 @@ from moetrain.config import RunConfig
 from moetrain.convert.cli import add_convert_parsers
 from moetrain.plan import add_plan_parser
 from moetrain.plot import add_plot_parser
-from moetrain.presets import PRESETS, get_preset
+from moetrain.presets import PRESETS
+from moetrain.presets import load_config as layered_config
 
 DEFAULT_PRESET = "demo"
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), without importing torch."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("moetrain")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def load_config(args: argparse.Namespace) -> RunConfig:
-    """CONFIG.yaml or --preset (default: demo), then --set overrides; an unset model.vocab_size
-    is taken from the tokenizer."""
+    """--preset (default: demo) and/or CONFIG.yaml layered on it (or on the preset it names),
+    then --set overrides; an unset model.vocab_size is taken from the tokenizer."""
     from moetrain.data.loader import resolve_vocab_size
 
-    if getattr(args, "config", None):
-        config = RunConfig.load_yaml(args.config)
-    else:
-        config = get_preset(args.preset or DEFAULT_PRESET)
+    config = layered_config(args.preset, getattr(args, "config", None))
     return resolve_vocab_size(config.with_overrides(args.set or []))
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="run config YAML (default: the preset)")
     p.add_argument(
-        "--preset", choices=list(PRESETS), help=f"named config (default {DEFAULT_PRESET})"
+        "config",
+        nargs="?",
+        help="run config YAML, layered on the preset its `preset:` key or --preset names",
+    )
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help=f"named config, or the base of the YAML (default {DEFAULT_PRESET})",
     )
     p.add_argument(
         "--set",
@@ -41,9 +56,27 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_device(device: str | None) -> None:
+    """A CUDA device this machine lacks is a one-line error, not a traceback from deep inside."""
+    if device is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = device.partition(":")[2]
+    if count == 0:
+        raise ValueError(
+            f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); "
+            "use --device cpu, or leave --device out to pick one"
+        )
+    if index and (not index.isdigit() or int(index) >= count):
+        raise ValueError(f"--device {device}: this machine has CUDA devices cuda:0..{count - 1}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.trainer import Trainer, TrainingStopped
 
+    check_device(args.device)
     config = load_config(args)
     if args.dry_run:
         from moetrain.dry_run import run_dry_run
@@ -51,6 +84,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_dry_run(config, args)
     if args.resume:
         config = _resume_config(args, config)
+    from moetrain.train.fits import check_fits
+
+    check_fits(config, args.device, force=args.force)
     trainer = Trainer(
         config,
         args.run_dir,
@@ -60,6 +96,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         overwrite=args.overwrite,
     )
+    if trainer.is_main and trainer.step >= trainer.config.train.steps:
+        print(
+            f"note: the run in {trainer.run_dir} is already at train.steps "
+            f"({trainer.config.train.steps}): nothing to train; continue it with --resume --set "
+            "train.steps=N (a larger N)",
+            file=sys.stderr,
+        )
     summary = None
     try:
         summary = trainer.train()
@@ -103,11 +146,18 @@ def _resume_config(args: argparse.Namespace, requested: RunConfig) -> RunConfig:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from moetrain.data import SequenceLoader, open_data
+    from moetrain.checkpoint import manager
+    from moetrain.data import SequenceLoader, check_same_data, open_data
     from moetrain.inference import load_model
     from moetrain.train.step import evaluate
 
-    model, config = load_model(args.checkpoint, args.device or "cpu")
+    if args.batches < 1:
+        raise ValueError(f"--batches ({args.batches}) must be >= 1")
+    check_device(args.device)
+    path = manager.resolve(args.checkpoint)
+    model, config = load_model(path, args.device or "cpu")
+    trainer_state = json.loads((path / manager.TRAINER_STATE).read_text())
+    check_same_data(config.data, trainer_state.get("data_fingerprint"), path)
     _, val_tokens, _ = open_data(config.data, config.model.vocab_size)
     loader = SequenceLoader(
         val_tokens,
@@ -118,11 +168,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     n = min(args.batches, loader.batches_per_epoch)
     loss = evaluate(model, iter(loader), n).item()
-    print(
-        json.dumps(
-            {"val_loss": loss, "batches": n, "perplexity": float(torch.exp(torch.tensor(loss)))}
-        )
-    )
+    result = {
+        "checkpoint": str(path),
+        "step": trainer_state.get("step"),
+        "val_loss": loss,
+        "batches": n,
+        "perplexity": float(torch.exp(torch.tensor(loss))),
+    }
+    print(json.dumps(result))
     return 0
 
 
@@ -130,6 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from moetrain.checkpoint.manager import resolve
     from moetrain.inference import checkpoint_tokenizer, generate, load_model
 
+    check_device(args.device)
     path = resolve(args.checkpoint)
     model, config = load_model(path, args.device or "cpu")
     tokenizer = checkpoint_tokenizer(path, config)
@@ -175,8 +229,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     table = Table(title=f"moetrain inspect: {config.name}", show_header=False)
     for key, value in info.items():
-        table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
+        if key.endswith("_bytes_per_rank"):
+            table.add_row(key.replace("_bytes_", "_"), format_bytes(value))
+        else:
+            table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     Console().print(table)
+    return 0
+
+
+def format_bytes(num_bytes: float) -> str:
+    """1536 -> '1.5 KiB'; binary units, three significant digits."""
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            break
+        value /= 1024
+    return f"{value:.0f} B" if unit == "B" else f"{value:.3g} {unit}"
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print a complete config YAML: a starting point to edit, or what a YAML resolves to."""
+    import yaml
+
+    config = load_config(args)
+    base = args.preset or (None if args.config else DEFAULT_PRESET)
+    source = f"preset {base}" if base else args.config
+    print(f"# moetrain config of {source}; edit it and run: moetrain train FILE.yaml")
+    data = config.to_dict()
+    print(yaml.safe_dump({"preset": base, **data} if base else data, sort_keys=False), end="")
     return 0
 
 
@@ -197,6 +277,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts LMs.")
+    parser.add_argument("--version", action="version", version=f"moetrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -218,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and metrics); without it that is an error",
     )
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start even when the predicted memory exceeds what the device has free",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument(
         "--dry-run",
@@ -248,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "config",
+        help="print a full config YAML (a starter to edit: moetrain config --preset tiny)",
+    )
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("prepare", help="tokenize text/JSONL files into a token directory")
     p.add_argument("files", nargs="+", help=".txt (one document each) or .jsonl (a text field)")
