@@ -34,7 +34,7 @@ class RunDirLocked(ValueError):
 
 class RunLock:
     def __init__(
-        self, run_dir: str | Path, *, heartbeat_s: float = 30.0, stale_after_s: float = 300.0
+        self, run_dir: str | Path, *, heartbeat_s: float = 15.0, stale_after_s: float = 90.0
     ) -> None:
         if stale_after_s <= heartbeat_s:
             raise ValueError(
