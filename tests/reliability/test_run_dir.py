@@ -17,12 +17,15 @@ from moetrain.train.run_lock import LOCK_FILE, RunDirLocked, RunLock
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_resume_on_re_prepared_data_is_an_error(tmp_path, module_cache):
+def test_resume_on_re_prepared_data_is_an_error(tmp_path, module_cache, capsys):
     """`prepare` into a used token directory needs --overwrite; after it, --resume of the run
     trained on the old tokens stops with an error naming the change (not a loader-state error
-    or, worse, a silent run on other data)."""
+    or, worse, a silent run on other data), and so does `eval` of its checkpoint."""
     outcome = bench.data_replaced(tmp_path)
     assert outcome.injected == outcome.survived == 2, outcome.details
+    capsys.readouterr()
+    assert cli.main(["eval", "--checkpoint", str(tmp_path / "replaced_run")]) == 2
+    assert "the data changed since checkpoint" in capsys.readouterr().err
 
 
 def test_rotation_keeps_the_newest_verified_and_resume_names_unverifiable(tmp_path, module_cache):
