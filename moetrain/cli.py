@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from moetrain.bench.cli import add_bench_parser
@@ -137,7 +138,7 @@ def _resume_config(args: argparse.Namespace, requested: RunConfig) -> RunConfig:
         requested=requested if given else None,
         requested_from=" and ".join(given),
     )
-    if changes:
+    if changes and os.environ.get("RANK", "0") == "0":  # once, not once per rank
         print(f"--resume: changes to {saved}: " + "; ".join(changes), file=sys.stderr)
     args.run_dir = str(run_dir)
     return config

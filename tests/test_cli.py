@@ -34,6 +34,10 @@ def test_prepare_round_trips_text_with_byte_tokenizer(tmp_path, capsys):
     )
     docs = bytes(int(i) for i in ids if i < 256).decode()
     assert text in docs and "another document" in docs
+    again = ["prepare", str(tmp_path / "b.txt"), str(tmp_path / "a.txt"), "--out"]
+    assert main([*again, str(tmp_path / "tok"), "--val-fraction", "0.5", "--quiet"]) == 2
+    assert "pass --overwrite to replace it" in capsys.readouterr().err
+    assert main([*again, str(tmp_path / "tok"), "--val-fraction", "0.5", "--overwrite"]) == 0
 
 
 def test_prepare_missing_file_is_exit_2_without_output(tmp_path, capsys):

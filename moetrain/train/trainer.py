@@ -10,7 +10,10 @@ optimizer step, skipped on the device when the loss or a gradient is not finite 
 above its recent window (train/spike.py) -> MoE end-of-step (aux-loss-free bias update). Metrics
 stay on the device and are read at the log cadence only. SIGTERM / Ctrl-C finish the current step,
 save a checkpoint and return; K consecutive skipped steps (seen at a log step) save and stop with
-an error message. An unwritable run directory is an error before the model is built.
+an error message. An unwritable run directory is an error before the model is built, and so is
+one that another live run holds: the main rank locks it for the life of the run (run_lock.py).
+Checkpoints record the tokens' content hash and carry the tokenizer; a resume checks both the
+hash and that the architecture and data settings of the config are the checkpoint's.
 """
 
 from __future__ import annotations
