@@ -2,7 +2,8 @@
 
 Each scenario plants one kind of fault in a CPU run of the `tiny` preset (a SIGKILL at a random
 moment or in the middle of a checkpoint, a rank dying under torchrun, a full disk, bit rot, a
-hostile checkpoint, NaN/inf and loss spikes, broken inputs) and compares the outcome with a
+hostile checkpoint, NaN/inf and loss spikes, broken inputs, data replaced under a run, a second
+run in a used run directory, corrupt checkpoints at rotation) and compares the outcome with a
 fault-free run: "data lost" counts steps whose final logged loss differs from the fault-free
 run's or is missing (all steps when the final weights differ bitwise), "work redone" the steps
 computed twice because they came after the last complete checkpoint. The markdown table it prints
@@ -597,7 +598,7 @@ def hostile_inputs(work: Path) -> Outcome:
         (
             "other model shape",
             ["model.d_model=128"],
-            r"model\.embed\.weight: checkpoint \(320, 64\), this model \(320, 128\)",
+            r"model\.d_model cannot change on --resume \(64 in .*, 128 now\)",
         ),
         ("unknown config key", ["train.lr_max=1"], r"unknown field 'train\.lr_max'"),
         ("wrong config type", ["train.steps=many"], r"train\.steps \('many'\) must be an integer"),
@@ -693,6 +694,118 @@ def config_fuzz(num_examples: int) -> Outcome:
 
 
 # ---- the table ---------------------------------------------------------------------------------
+# ---- 8. the run directory -----------------------------------------------------------------------
+def _flip_a_byte(checkpoint: Path) -> None:
+    shard = next(checkpoint.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _write_documents(path: Path, word: str, num_docs: int = 400) -> Path:
+    lines = [json.dumps({"text": f"{word} " * 30 + str(i)}) for i in range(num_docs)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def data_replaced(work: Path) -> Outcome:
+    """A run trains on a token directory; `prepare` of other documents into it is refused, and
+    after `--overwrite` a resume of the run is an error naming the change (the content hash its
+    checkpoints record), with the checkpoints untouched."""
+    out = Outcome("data re-prepared under a run", "prepare into its token dir; then --overwrite")
+    data, run = work / "replaced_data", work / "replaced_run"
+    prepare([_write_documents(work / "a.jsonl", "alpha")], data, progress=False)
+    train_tiny(run, 2, f"data.path={data}")
+    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+    other = _write_documents(work / "b.jsonl", "beta gamma")
+    for overwrite in (False, True):
+        out.injected += 1
+        try:
+            prepare([other], data, progress=False, overwrite=overwrite)
+            train_tiny(run, 4, f"data.path={data}")
+            message = ""
+        except ValueError as exc:
+            message = str(exc)
+        after = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+        expected = "the data changed since checkpoint" if overwrite else "--overwrite"
+        out.survived += int(expected in message and after == before)
+        out.details[f"overwrite={overwrite}"] = message
+    return out
+
+
+def concurrent_runs(work: Path, cache: Path) -> Outcome:
+    """While `moetrain train` runs, a second one with --resume and another with --overwrite start
+    in its run directory: both are refused by its lock and change nothing. Then the first is
+    SIGKILLed; its stale lock does not stop the restart, which ends where a fault-free run ends."""
+    from moetrain import cli
+
+    reference, run = work / "lock_reference", work / "lock_run"
+    steps = 12
+    _python(_cli(reference, steps), _env(cache))
+    out = Outcome("a second run in a used run dir", "--resume / --overwrite beside a live run")
+    env = _env(cache, MOETRAIN_FAULT_SAVE_DELAY="1")  # keeps the first run alive for a while
+    child = subprocess.Popen([sys.executable, *_cli(run, steps)], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not manager.list_complete(run / "checkpoints") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for flag in ("--resume", "--overwrite"):
+            out.injected += 1
+            args = [flag if a == "--resume" else a for a in _cli(run, steps)[2:]]  # same config
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                code = cli.main(args)
+            refused = code == 2 and "is in use by another moetrain run" in err.getvalue()
+            out.survived += int(refused and child.poll() is None)
+            out.details[flag] = err.getvalue().strip()
+    finally:
+        child.kill()
+        child.wait()
+    logged, newest = _last_logged(run), _newest_step(run)
+    _python(_cli(run, steps), _env(cache))  # the killed run's lock is stale: no error
+    out.lost = lost_steps(run, reference)
+    out.redone = max(logged - newest, 0)
+    out.details["killed after step"] = logged
+    return out
+
+
+def corrupt_rotation(work: Path) -> Outcome:
+    """A byte flipped in the newest checkpoint: the resume moves it aside as step-4.corrupt and
+    the next rotation keeps step-2, the newest verified one. Every checkpoint corrupt: --resume
+    is an error naming them, not a silent restart from step 0."""
+    out = Outcome("corrupt checkpoint, then rotation", "flip a byte in the newest / in all")
+    reference = work / "rotation_reference"
+    train_tiny(reference, 6, "train.checkpoint_every=100")
+    run = work / "rotation_run"
+    train_tiny(run, 4)
+    _flip_a_byte(run / "checkpoints" / "step-4")
+    out.injected += 1
+    with contextlib.redirect_stdout(io.StringIO()):
+        resumed = train_tiny(run, 6, "train.checkpoint_every=100")  # saves step-6 only
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    out.details["kept"] = kept
+    lost = lost_steps(run, reference)
+    ok = resumed.resumed_from.name == "step-2" and kept == ["step-2", "step-4.corrupt", "step-6"]
+    out.survived += int(ok and lost == 0)
+    out.lost += lost
+    out.redone += 2
+    run = work / "rotation_all"
+    train_tiny(run, 4)
+    for step in (2, 4):
+        _flip_a_byte(run / "checkpoints" / f"step-{step}")
+    out.injected += 1
+    logged = (run / "metrics.jsonl").stat().st_size
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            train_tiny(run, 6)
+        message = ""
+    except manager.CheckpointError as exc:
+        message = str(exc)
+    out.details["all corrupt"] = message
+    named = "no checkpoint" in message and "step-2.corrupt, step-4.corrupt" in message
+    out.survived += int(named and (run / "metrics.jsonl").stat().st_size == logged)
+    return out
+
+
 def table(rows: list[Outcome]) -> str:
     lines = [
         "| fault | how it is injected | injected | survived | data lost (steps) | work redone (steps) |",
@@ -725,6 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(hostile_checkpoints(args.out))
     rows += numerical_faults(args.out)
     rows += [hostile_inputs(args.out), config_fuzz(args.fuzz)]
+    rows += [data_replaced(args.out), concurrent_runs(args.out, cache), corrupt_rotation(args.out)]
     print(table(rows))
     print(
         f"\n{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, Python "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from moetrain.bench.cli import add_bench_parser
@@ -11,24 +12,42 @@ from moetrain.config import RunConfig
 from moetrain.convert.cli import add_convert_parsers
 from moetrain.plan import add_plan_parser
 from moetrain.plot import add_plot_parser
-from moetrain.presets import PRESETS, get_preset
+from moetrain.presets import PRESETS
+from moetrain.presets import load_config as layered_config
 
 DEFAULT_PRESET = "demo"
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), without importing torch."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("moetrain")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def load_config(args: argparse.Namespace) -> RunConfig:
-    """CONFIG.yaml or --preset (default: demo), then --set overrides."""
-    if getattr(args, "config", None):
-        config = RunConfig.load_yaml(args.config)
-    else:
-        config = get_preset(args.preset or DEFAULT_PRESET)
-    return config.with_overrides(args.set or [])
+    """--preset (default: demo) and/or CONFIG.yaml layered on it (or on the preset it names),
+    then --set overrides; an unset model.vocab_size is taken from the tokenizer."""
+    from moetrain.data.loader import resolve_vocab_size
+
+    config = layered_config(args.preset, getattr(args, "config", None))
+    return resolve_vocab_size(config.with_overrides(args.set or []))
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="run config YAML (default: the preset)")
     p.add_argument(
-        "--preset", choices=list(PRESETS), help=f"named config (default {DEFAULT_PRESET})"
+        "config",
+        nargs="?",
+        help="run config YAML, layered on the preset its `preset:` key or --preset names",
+    )
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help=f"named config, or the base of the YAML (default {DEFAULT_PRESET})",
     )
     p.add_argument(
         "--set",
@@ -38,14 +57,37 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_device(device: str | None) -> None:
+    """A CUDA device this machine lacks is a one-line error, not a traceback from deep inside."""
+    if device is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = device.partition(":")[2]
+    if count == 0:
+        raise ValueError(
+            f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); "
+            "use --device cpu, or leave --device out to pick one"
+        )
+    if index and (not index.isdigit() or int(index) >= count):
+        raise ValueError(f"--device {device}: this machine has CUDA devices cuda:0..{count - 1}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.trainer import Trainer, TrainingStopped
 
+    check_device(args.device)
     config = load_config(args)
     if args.dry_run:
         from moetrain.dry_run import run_dry_run
 
         return run_dry_run(config, args)
+    if args.resume:
+        config = _resume_config(args, config)
+    from moetrain.train.fits import check_fits
+
+    check_fits(config, args.device, force=args.force)
     trainer = Trainer(
         config,
         args.run_dir,
@@ -55,6 +97,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         overwrite=args.overwrite,
     )
+    if trainer.is_main and trainer.step >= trainer.config.train.steps:
+        print(
+            f"note: the run in {trainer.run_dir} is already at train.steps "
+            f"({trainer.config.train.steps}): nothing to train; continue it with --resume --set "
+            "train.steps=N (a larger N)",
+            file=sys.stderr,
+        )
     summary = None
     try:
         summary = trainer.train()
@@ -68,14 +117,48 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_config(args: argparse.Namespace, requested: RunConfig) -> RunConfig:
+    """--resume trains with the run's own config.yaml plus the --set changes it allows
+    (moetrain/config_resume.py), printed; a --preset or YAML given again must agree with it.
+    Without a config.yaml (a first start under a requeue-safe --resume) the requested config."""
+    from pathlib import Path
+
+    from moetrain.config_resume import resume_config
+
+    run_dir = Path(args.run_dir or Path("runs") / requested.name)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return requested
+    given = [f"--preset {args.preset}"] if args.preset else []
+    given += [args.config] if getattr(args, "config", None) else []
+    config, changes = resume_config(
+        RunConfig.load_yaml(saved),
+        args.set or [],
+        str(saved),
+        requested=requested if given else None,
+        requested_from=" and ".join(given),
+    )
+    if changes and os.environ.get("RANK", "0") == "0":  # once, not once per rank
+        print(f"--resume: changes to {saved}: " + "; ".join(changes), file=sys.stderr)
+    args.run_dir = str(run_dir)
+    return config
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from moetrain.data import SequenceLoader, open_data
+    from moetrain.checkpoint import manager
+    from moetrain.data import SequenceLoader, check_same_data, open_data
     from moetrain.inference import load_model
     from moetrain.train.step import evaluate
 
-    model, config = load_model(args.checkpoint, args.device or "cpu")
+    if args.batches < 1:
+        raise ValueError(f"--batches ({args.batches}) must be >= 1")
+    check_device(args.device)
+    path = manager.resolve(args.checkpoint)
+    model, config = load_model(path, args.device or "cpu")
+    trainer_state = json.loads((path / manager.TRAINER_STATE).read_text())
+    check_same_data(config.data, trainer_state.get("data_fingerprint"), path)
     _, val_tokens, _ = open_data(config.data, config.model.vocab_size)
     loader = SequenceLoader(
         val_tokens,
@@ -86,19 +169,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     n = min(args.batches, loader.batches_per_epoch)
     loss = evaluate(model, iter(loader), n).item()
-    print(
-        json.dumps(
-            {"val_loss": loss, "batches": n, "perplexity": float(torch.exp(torch.tensor(loss)))}
-        )
-    )
+    result = {
+        "checkpoint": str(path),
+        "step": trainer_state.get("step"),
+        "val_loss": loss,
+        "batches": n,
+        "perplexity": float(torch.exp(torch.tensor(loss))),
+    }
+    print(json.dumps(result))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moetrain.inference import generate, load_model, tokenizer_for
+    from moetrain.checkpoint.manager import resolve
+    from moetrain.inference import checkpoint_tokenizer, generate, load_model
 
-    model, config = load_model(args.checkpoint, args.device or "cpu")
-    tokenizer = tokenizer_for(config)
+    check_device(args.device)
+    path = resolve(args.checkpoint)
+    model, config = load_model(path, args.device or "cpu")
+    tokenizer = checkpoint_tokenizer(path, config)
     new_ids = generate(
         model,
         tokenizer.encode(args.prompt),
@@ -141,8 +230,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     table = Table(title=f"moetrain inspect: {config.name}", show_header=False)
     for key, value in info.items():
-        table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
+        if key.endswith("_bytes_per_rank"):
+            table.add_row(key.replace("_bytes_", "_"), format_bytes(value))
+        else:
+            table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     Console().print(table)
+    return 0
+
+
+def format_bytes(num_bytes: float) -> str:
+    """1536 -> '1.5 KiB'; binary units, three significant digits."""
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            break
+        value /= 1024
+    return f"{value:.0f} B" if unit == "B" else f"{value:.3g} {unit}"
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print a complete config YAML: a starting point to edit, or what a YAML resolves to."""
+    import yaml
+
+    config = load_config(args)
+    base = args.preset or (None if args.config else DEFAULT_PRESET)
+    source = f"preset {base}" if base else args.config
+    print(f"# moetrain config of {source}; edit it and run: moetrain train FILE.yaml")
+    data = config.to_dict()
+    print(yaml.safe_dump({"preset": base, **data} if base else data, sort_keys=False), end="")
     return 0
 
 
@@ -155,6 +270,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
         progress=not args.quiet,
+        overwrite=args.overwrite,
     )
     print(f"wrote {out}")
     return 0
@@ -162,6 +278,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts LMs.")
+    parser.add_argument("--version", action="version", version=f"moetrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -183,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and metrics); without it that is an error",
     )
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start even when the predicted memory exceeds what the device has free",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument(
         "--dry-run",
@@ -214,11 +336,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
+    p = sub.add_parser(
+        "config",
+        help="print a full config YAML (a starter to edit: moetrain config --preset tiny)",
+    )
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+
     p = sub.add_parser("prepare", help="tokenize text/JSONL files into a token directory")
     p.add_argument("files", nargs="+", help=".txt (one document each) or .jsonl (a text field)")
     p.add_argument("--out", required=True)
     p.add_argument("--tokenizer", default="byte", help="byte, or a Hugging Face tokenizer.json")
     p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing token directory at --out (runs trained on it cannot resume)",
+    )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_prepare)
 

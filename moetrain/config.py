@@ -1,8 +1,9 @@
 """Run configuration: frozen, keyword-only dataclasses, one per section, loaded from YAML.
 
-A `RunConfig` is `model` + `moe` + `parallel` + `train` + `data` + `precision`. Every section
-validates itself at construction and `RunConfig` checks the rules that span sections, so an
-invalid run never starts. Errors are `ValueError`s that name the field path, the value and what is allowed, e.g.
+A `RunConfig` is `model` + `moe` + `parallel` + `train` + `data` + `precision`; `layer` puts a
+partial mapping (a YAML on a preset) over a base config. Every section validates itself at
+construction and `RunConfig` checks the rules that span sections, so an invalid run never starts.
+Errors are `ValueError`s that name the field path, the value and what is allowed, e.g.
 ``moe.top_k (9) must be <= moe.num_experts (8)``. This module does not import torch.
 """
 
@@ -49,7 +50,7 @@ def _choice(section: str, obj: Any, name: str, choices: tuple[str, ...]) -> None
 class ModelConfig:
     """The dense part of the transformer (attention, embeddings, norms)."""
 
-    vocab_size: int = 50304
+    vocab_size: int | None = None  # None: the tokenizer's size rounded up to a multiple of 64
     d_model: int = 1024
     num_layers: int = 8
     num_heads: int = 16
@@ -396,14 +397,7 @@ class RunConfig:
 
     @classmethod
     def load_yaml(cls, path: str | Path) -> RunConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_yaml(path))
 
     def with_overrides(self, overrides: list[str] | tuple[str, ...]) -> RunConfig:
         """Apply `section.field=value` strings; values are parsed as YAML scalars."""
@@ -431,6 +425,31 @@ class RunConfig:
             except yaml.YAMLError:
                 data[section][name] = raw
         return RunConfig.from_dict(data)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The parsed content of a config file; a missing file or bad YAML is a ValueError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
+
+
+def layer(base: RunConfig, data: Any) -> RunConfig:
+    """`base` with the fields a config mapping `data` lists replaced (section by section, field by
+    field), validated as a whole."""
+    if not isinstance(data, dict):
+        return RunConfig.from_dict(data)  # its error names the problem
+    merged: dict[str, Any] = base.to_dict()
+    for key, values in data.items():
+        if isinstance(values, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **values}
+        else:
+            merged[key] = values
+    return RunConfig.from_dict(merged)
 
 
 _SECTION_TYPES = {

@@ -1,20 +1,23 @@
 """Load a trained model from a checkpoint directory, evaluate it, and sample text from it.
 
 A checkpoint directory is self-contained: its `config.yaml` rebuilds the model, DCP loads the
-weights (under any parallel layout they were saved with, since names and shapes are global).
+weights (under any parallel layout they were saved with, since names and shapes are global), and
+its tokenizer files encode prompts and decode samples.
 Generation recomputes the whole prefix at every new token: simple and fine for the small models
 one samples on a laptop; it is not a serving engine.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
-from moetrain.data import load_tokenizer
+from moetrain.data import ByteTokenizer, HFTokenizer, load_tokenizer
+from moetrain.data.tokenizer_files import load_carried
 from moetrain.data.tokens import load_dir_tokenizer
 from moetrain.model.transformer import Transformer, build_model
 
@@ -31,10 +34,23 @@ def load_model(
     return model, config
 
 
-def tokenizer_for(config: RunConfig):
-    if config.data.path is not None and Path(config.data.path).is_dir():
-        return load_dir_tokenizer(config.data.path)
-    return load_tokenizer(config.data.tokenizer)
+def checkpoint_tokenizer(path: str | Path, config: RunConfig) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a checkpoint directory carries (data/tokenizer_files.py). Checkpoints from
+    before tokenizers travelled: the token directory's, which must then still be reachable; a
+    guess would decode to garbage."""
+    path = Path(path)
+    trainer_state = json.loads((path / manager.TRAINER_STATE).read_text())
+    if "tokenizer" in trainer_state:
+        return load_carried(path, trainer_state["tokenizer"])
+    if config.data.path is None:
+        return load_tokenizer(config.data.tokenizer)
+    if not Path(config.data.path).is_dir():
+        raise ValueError(
+            f"checkpoint {path} does not carry its tokenizer (it predates that), and its "
+            f"data.path ({config.data.path}) is not a directory from {Path.cwd()}: run from the "
+            "directory it was trained in, or pass the tokenizer explicitly"
+        )
+    return load_dir_tokenizer(config.data.path)
 
 
 @torch.no_grad()

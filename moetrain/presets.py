@@ -1,8 +1,8 @@
 """Named run configurations. Each preset is a function returning a `RunConfig`.
 
 `tiny` runs on a laptop CPU in seconds and is what tests use; `demo` is the default of
-`moetrain train` (a few minutes on a 2-core CPU); the others are the exact architectures of
-shared/BENCHMARKS.md: the OLMoE block (qk-norm, RoPE theta 10,000, untied embeddings, softmax
+`moetrain train` (a few minutes on a 2-core CPU); the others are the benchmark architectures of
+docs/benchmarks.md: the OLMoE block (qk-norm, RoPE theta 10,000, untied embeddings, softmax
 router without top-k renormalization, SwiGLU experts, every layer MoE, vocabulary 50,304).
 `trillion-1.2t` and `trillion-2.4t` are that block at the reference trillion-scale runs' totals,
 for `moetrain plan` and `moetrain train --dry-run` (docs/plan.md).
@@ -11,6 +11,7 @@ for `moetrain plan` and `moetrain train --dry-run` (docs/plan.md).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from moetrain.config import (
     DataConfig,
@@ -19,6 +20,8 @@ from moetrain.config import (
     ParallelConfig,
     RunConfig,
     TrainConfig,
+    layer,
+    read_yaml,
 )
 
 BYTE_VOCAB = 320  # 256 bytes + EOS, padded to a multiple of 64
@@ -190,3 +193,23 @@ def get_preset(name: str) -> RunConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
     return PRESETS[name]()
+
+
+def load_config(preset: str | None = None, path: str | Path | None = None) -> RunConfig:
+    """The config of a --preset, a YAML file, or both. A YAML may name its base preset with a
+    top-level `preset:` key (or get it from `preset`); its sections then set only the fields
+    they list, over the preset's. A YAML without a base layers over RunConfig's defaults (the
+    0.94B `small` shape with a vocabulary taken from the tokenizer). A YAML naming another
+    preset than `preset` is an error naming both."""
+    if path is None:
+        return get_preset(preset or "demo")
+    data = read_yaml(path)
+    named = data.pop("preset", None) if isinstance(data, dict) else None
+    if named is not None and not isinstance(named, str):
+        raise ValueError(f"preset ({named!r}) in {path} must be a preset name")
+    if named is not None and preset is not None and named != preset:
+        raise ValueError(
+            f"--preset {preset} and the `preset: {named}` of {path} disagree; drop one of them"
+        )
+    base = named or preset
+    return layer(get_preset(base) if base else RunConfig(), data)

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from moetrain.cli import main
 from moetrain.data import load_split
@@ -33,6 +34,10 @@ def test_prepare_round_trips_text_with_byte_tokenizer(tmp_path, capsys):
     )
     docs = bytes(int(i) for i in ids if i < 256).decode()
     assert text in docs and "another document" in docs
+    again = ["prepare", str(tmp_path / "b.txt"), str(tmp_path / "a.txt"), "--out"]
+    assert main([*again, str(tmp_path / "tok"), "--val-fraction", "0.5", "--quiet"]) == 2
+    assert "pass --overwrite to replace it" in capsys.readouterr().err
+    assert main([*again, str(tmp_path / "tok"), "--val-fraction", "0.5", "--overwrite"]) == 0
 
 
 def test_prepare_missing_file_is_exit_2_without_output(tmp_path, capsys):
@@ -74,7 +79,13 @@ def test_train_eval_generate(tmp_cache, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 6
     assert main(["eval", "--checkpoint", str(run), "--batches", "2"]) == 0
-    assert json.loads(capsys.readouterr().out)["val_loss"] < 6.0
+    result = json.loads(capsys.readouterr().out)
+    assert result["val_loss"] < 6.0 and result["step"] == 6
+    assert result["checkpoint"] == str(run / "checkpoints" / "step-6")
+    assert main(["eval", "--checkpoint", str(run), "--batches", "0"]) == 2
+    assert "--batches (0) must be >= 1" in capsys.readouterr().err
+    assert main(["train", "--resume", "--quiet", "--run-dir", str(run)]) == 0
+    assert "already at train.steps (6): nothing to train" in capsys.readouterr().err
     assert (
         main(["generate", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "8"])
         == 0
@@ -99,3 +110,23 @@ def test_help_does_not_import_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_one_line(tmp_path, capsys):
+    for command in (["train", "--preset", "tiny", "--run-dir", str(tmp_path)], ["generate"]):
+        if command == ["generate"]:
+            command = ["generate", "--checkpoint", str(tmp_path), "--prompt", "x"]
+        assert main([*command, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--device cuda: this machine has no CUDA device" in err
+
+
+def test_inspect_memory_is_human_readable_and_version(capsys):
+    assert main(["inspect", "--preset", "small"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer_state_per_rank" in out and "10.5 GiB" in out and "3.51 GiB" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("moetrain ")

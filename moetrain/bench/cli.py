@@ -17,7 +17,7 @@ def add_bench_parser(sub) -> None:
         "bench",
         help="time training steps (GPU), optionally against peers",
         description="Time full training steps (forward + backward + optimizer) on "
-        "uniform random token ids, as in shared/BENCHMARKS.md.",
+        "uniform random token ids, as in docs/benchmarks.md.",
     )
     p.add_argument("--preset", choices=list(PRESETS), default="small")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")

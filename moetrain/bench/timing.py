@@ -1,6 +1,6 @@
 """Timing primitives: CUDA-event step timing, the measured matmul ceiling, summary statistics.
 
-Rules (shared/BENCHMARKS.md): warm up first, time forward + backward + optimizer step with device
+Rules (docs/benchmarks.md): warm up first, time forward + backward + optimizer step with device
 events, report the median (and spread) of at least 5 timed steps.
 """
 

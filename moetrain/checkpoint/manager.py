@@ -2,12 +2,15 @@
 
 A save writes into `step-N.tmp/`: the DCP shards of the tensor state (model, optimizer, RNG), a
 `trainer.json` with the plain-Python state (step, loader position, counters), the resolved
-`config.yaml`, and last a `manifest.json` listing every file with its size and SHA-256. Then rank 0
+`config.yaml`, the caller's extra files (the trainer's: the run's tokenizer), and last a `manifest.json` listing every file with its size and SHA-256. Then rank 0
 renames the directory to `step-N/`. A directory without a manifest, or whose name ends in `.tmp`,
 is never picked by `latest()`; a crash mid-save therefore leaves the previous checkpoint as the
 newest complete one. `verify()` rechecks sizes and hashes, so truncation or bit rot is a clear
-error instead of a confusing failure deep inside torch. The newest `keep` checkpoints are kept. A
-failed save (a full disk) removes its temporary directory and raises a `CheckpointError`.
+error instead of a confusing failure deep inside torch. A checkpoint that fails verification on
+resume (or, by its sizes, at rotation) is moved aside to `step-N.corrupt/`: never resumed from,
+never counted among the kept, never deleted. Rotation keeps the newest `keep` checkpoints that
+verify, so it never deletes the newest verified one. A failed save (a full disk) removes its
+temporary directory and raises a `CheckpointError`.
 
 Checkpoints may come from elsewhere, so reading one executes nothing it contains: DCP's `.metadata`
 is a pickle, read here by a restricted unpickler that admits only the classes DCP metadata is made
@@ -43,6 +46,7 @@ from moetrain import faults
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
+CORRUPT = ".corrupt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -85,6 +89,7 @@ def save(
     trainer_state: dict[str, Any],
     config_yaml: str,
     keep: int = 2,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final directory. A write that fails on any
     rank (a full disk, a vanished mount) removes `step-N.tmp/` and raises a CheckpointError on
@@ -114,6 +119,8 @@ def save(
             return
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
+        for name, data in (extra_files or {}).items():  # e.g. the run's tokenizer files
+            (tmp / name).write_bytes(data)
         files = {
             p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
             for p in sorted(tmp.iterdir())
@@ -136,16 +143,16 @@ def save(
             phase()
         except (OSError, CheckpointException) as exc:  # DCP's own exception is a BaseException
             error = _save_error(root, step, exc)
-        message = _first_error(None if error is None else str(error))
+        message = first_error(None if error is None else str(error))
         if message is not None:
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            _first_error(None)  # no rank returns before the partial directory is gone
+            first_error(None)  # no rank returns before the partial directory is gone
             raise CheckpointError(message) from None
     return final
 
 
-def _first_error(message: str | None) -> str | None:
+def first_error(message: str | None) -> str | None:
     """Every rank's phase outcome, agreed on by all: the first failure's message (with its rank
     when there are several ranks), or None. Also a barrier."""
     if not dist.is_initialized():
@@ -211,9 +218,19 @@ def check_writable(directory: Path | str) -> None:
 
 
 def _prune(root: Path, keep: int) -> None:
-    complete = list_complete(root)
-    for path in complete[:-keep] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
+    """Keep the newest `keep` checkpoints that verify (by sizes: hashing every kept checkpoint
+    at every save would cost a full read of each), move aside those that do not, and delete the
+    older ones. The checkpoint just written verifies by construction, so it is always kept."""
+    kept = 0
+    for path in reversed(list_complete(root)):
+        if keep > 0 and kept >= keep:
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        try:
+            verify(path, check_hashes=False)
+            kept += 1
+        except CheckpointError as exc:
+            _report_moved(path, move_aside(path), exc)
     for path in root.glob("step-*.tmp"):  # leftovers of crashed saves
         shutil.rmtree(path, ignore_errors=True)
 
@@ -367,15 +384,51 @@ def check_shapes(path: Path | str, tensor_state: dict[str, Any]) -> None:
         )
 
 
-def latest(root: Path | str, check_hashes: bool = True) -> Path | None:
-    """The newest checkpoint that verifies; corrupted newer ones are reported and skipped."""
+def latest(
+    root: Path | str, check_hashes: bool = True, move_corrupt: bool = False
+) -> Path | None:
+    """The newest checkpoint that verifies; corrupted newer ones are reported and skipped, and
+    with `move_corrupt` (a resuming run's main rank) moved aside to step-N.corrupt/, so that
+    rotation neither keeps them nor deletes an older good checkpoint in their favour."""
     for path in reversed(list_complete(root)):
         try:
             verify(path, check_hashes)
             return path
         except CheckpointError as exc:
-            print(f"warning: skipping checkpoint: {exc}")
+            if move_corrupt:
+                _report_moved(path, move_aside(path), exc)
+            else:
+                print(f"warning: skipping checkpoint: {exc}")
     return None
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a checkpoint that fails verification to step-N.corrupt (-2, -3 ... if taken)."""
+    target = path.with_name(path.name + CORRUPT)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{CORRUPT}-{n}")
+    os.replace(path, target)
+    return target
+
+
+def _report_moved(path: Path, moved: Path, exc: CheckpointError) -> None:
+    print(
+        f"warning: checkpoint {path.name} fails verification ({exc}); moved aside to "
+        f"{moved.name} (never resumed from, never deleted: inspect or delete it yourself)"
+    )
+
+
+def unusable(root: Path | str) -> list[Path]:
+    """Checkpoints under `root` that exist but were moved aside or are complete and not picked:
+    what a resume that found no verified checkpoint must name instead of starting over."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        [*list_complete(root), *root.glob(f"step-*{CORRUPT}*")], key=lambda p: p.name
+    )
 
 
 def resolve(path: Path | str, check_hashes: bool = True) -> Path:

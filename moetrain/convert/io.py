@@ -4,8 +4,8 @@
 tensors (checkpoints hold global names and shapes, so any parallel layout loads), maps it with
 `hf.to_hf_state_dict` and writes config.json, generation_config.json, safetensors (one
 `model.safetensors`, or `model-0000k-of-0000n.safetensors` shards plus
-`model.safetensors.index.json` above `max_shard_bytes`) and the run's tokenizer files when it used
-a Hugging Face tokenizer. The output is built in a sibling `.tmp` directory and renamed into place,
+`model.safetensors.index.json` above `max_shard_bytes`) and the tokenizer files the checkpoint
+carries (a byte-level run's included: `AutoTokenizer` loads them and encodes as the run did). The output is built in a sibling `.tmp` directory and renamed into place,
 so a crash never leaves a half-written export. `import_hf` is the reverse: it writes a step-0
 checkpoint with only the "model" part, which `load_model_weights` loads into a freshly built model
 (training's `--init-from`). Weights are read from safetensors only: nothing here unpickles a
@@ -37,6 +37,8 @@ from moetrain.convert.hf import (
     run_config_from_hf,
     to_hf_state_dict,
 )
+from moetrain.data.tokenizer import HFTokenizer, load_tokenizer
+from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
@@ -105,8 +107,7 @@ def export_checkpoint(
     check_expressible(config)
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype ({dtype!r}) must be one of {', '.join(_DTYPES)} or None")
-    tokenizer_spec = tokenizer or config.data.tokenizer
-    tokenizer_files, eos_token_id = _tokenizer_files(tokenizer_spec, config)
+    tokenizer_files, eos_token_id = _export_tokenizer(path, tokenizer, config)
 
     model_sd = _read_model_state(path, config)
     hf_sd = to_hf_state_dict(model_sd, config)
@@ -126,6 +127,7 @@ def export_checkpoint(
     _write_json(tmp / "generation_config.json", generation)
     for name, data in tokenizer_files.items():
         (tmp / name).write_bytes(data)
+    _readable_by_all(tmp)
     if out.exists():
         out.rmdir()  # empty, checked above
     os.replace(tmp, out)
@@ -193,15 +195,17 @@ def _write_safetensors(
     )
 
 
-def _tokenizer_files(spec: str, config: RunConfig) -> tuple[dict[str, bytes], int | None]:
-    """The files to ship with an export and the end-of-sequence id. A tokenizer_config.json is
-    written when the run's tokenizer has none, so `AutoTokenizer.from_pretrained` works."""
-    if spec == "byte":
-        return {}, None
-    from moetrain.data.tokenizer import load_tokenizer
+def _export_tokenizer(
+    checkpoint: Path, override: str | None, config: RunConfig
+) -> tuple[dict[str, bytes], int]:
+    """The tokenizer files to ship and the end-of-sequence id: those the checkpoint carries
+    (`override`, a tokenizer.json or its directory, replaces them), so that
+    `AutoTokenizer.from_pretrained` on the export encodes exactly as the run did; a byte-level
+    run gets a byte-level tokenizer.json (data/tokenizer_files.py)."""
+    from moetrain.inference import checkpoint_tokenizer
 
     try:
-        tok = load_tokenizer(spec)
+        tok = load_tokenizer(override) if override else checkpoint_tokenizer(checkpoint, config)
     except ValueError as exc:
         raise ValueError(
             f"cannot export the run's tokenizer ({exc}); pass the tokenizer.json to use "
@@ -209,25 +213,10 @@ def _tokenizer_files(spec: str, config: RunConfig) -> tuple[dict[str, bytes], in
         ) from None
     if tok.vocab_size > config.model.vocab_size:
         raise ValueError(
-            f"tokenizer {spec} has {tok.vocab_size} ids, more than model.vocab_size "
+            f"tokenizer {tok.name} has {tok.vocab_size} ids, more than model.vocab_size "
             f"({config.model.vocab_size})"
         )
-    source = tok.path.parent
-    files = {
-        name: (source / name).read_bytes() for name in TOKENIZER_FILES if (source / name).is_file()
-    }
-    files["tokenizer.json"] = tok.path.read_bytes()  # the file itself may have another name
-    if "tokenizer_config.json" not in files:
-        from tokenizers import Tokenizer
-
-        eos_token = Tokenizer.from_file(str(tok.path)).id_to_token(tok.eos_id)
-        tokenizer_config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": eos_token,
-            "model_max_length": config.train.seq_len,
-        }
-        files["tokenizer_config.json"] = (json.dumps(tokenizer_config, indent=2) + "\n").encode()
-    return files, tok.eos_id
+    return tokenizer_files(tok, config.train.seq_len), tok.eos_id
 
 
 # ---- import ------------------------------------------------------------------------------------
@@ -255,6 +244,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, name: str | None = Non
     model_sd = from_hf_state_dict(hf_sd, config)
     del hf_sd
 
+    trainer_state: dict[str, Any] = {"step": 0, "imported_from": str(hf_dir.resolve())}
+    carried = None
     if (hf_dir / "tokenizer.json").is_file():
         tokenizer_dir = out / "tokenizer"
         tokenizer_dir.mkdir(parents=True, exist_ok=True)
@@ -263,13 +254,20 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, name: str | None = Non
                 shutil.copyfile(hf_dir / file_name, tokenizer_dir / file_name)
         tokenizer_path = str((tokenizer_dir / "tokenizer.json").resolve())
         config = replace(config, data=replace(config.data, tokenizer=tokenizer_path))
+        try:  # the checkpoint carries it too, as training checkpoints do
+            tok = HFTokenizer(tokenizer_path, name=tokenizer_path)
+            carried = tokenizer_files(tok, config.train.seq_len)
+            trainer_state["tokenizer"] = describe(tok)
+        except ValueError:  # no `tokenizers` package, or no EOS token: the copy above remains
+            pass
 
     return manager.save(
         root,
         step=0,
         tensor_state={"model": model_sd},
-        trainer_state={"step": 0, "imported_from": str(hf_dir.resolve())},
+        trainer_state=trainer_state,
         config_yaml=yaml.safe_dump(config.to_dict(), sort_keys=False),
+        extra_files=carried,
     )
 
 
@@ -321,6 +319,15 @@ def _fresh_output_dir(out_dir: str | Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"output directory {out} exists and is not empty; choose a new one")
     return out
+
+
+def _readable_by_all(directory: Path) -> None:
+    """safetensors writes its files with mode 0600; an export is meant to be shared, so its
+    files get the mode a new file gets under the umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -4,9 +4,17 @@ Nothing here imports moetrain beyond `moetrain.config`; every layer above may im
 """
 
 from moetrain.data.corpus import cache_dir, embedded_corpus, embedded_documents, unigram_entropy
-from moetrain.data.loader import RandomTokenLoader, SequenceLoader, open_data
+from moetrain.data.loader import (
+    RandomTokenLoader,
+    SequenceLoader,
+    check_same_data,
+    data_fingerprint,
+    open_data,
+    resolve_vocab_size,
+)
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from moetrain.data.tokens import (
+    fingerprint,
     load_dir_tokenizer,
     load_split,
     prepare,
@@ -22,14 +30,18 @@ __all__ = [
     "SequenceLoader",
     "Tokenizer",
     "cache_dir",
+    "check_same_data",
+    "data_fingerprint",
     "embedded_corpus",
     "embedded_documents",
+    "fingerprint",
     "load_dir_tokenizer",
     "load_split",
     "load_tokenizer",
     "open_data",
     "prepare",
     "read_meta",
+    "resolve_vocab_size",
     "split_documents",
     "unigram_entropy",
     "write_token_dir",

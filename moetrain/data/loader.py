@@ -9,11 +9,14 @@ and together equal what one process with the whole global batch would read. An e
 partial global batch is dropped. The state is (epoch, index of the next global batch): plain
 ints that do not depend on the rank, and resuming from it yields bitwise the same batches.
 `RandomTokenLoader` produces uniform random ids for benchmarks, with the same interface.
-`open_data` turns a `DataConfig` into validated train/val token arrays and their tokenizer.
+`open_data` turns a `DataConfig` into validated train/val token arrays and their tokenizer;
+`data_fingerprint` names their content, and `check_same_data` compares it with a checkpoint's;
+`resolve_vocab_size` takes an unset model.vocab_size from the tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -21,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetrain.config import DataConfig
+from moetrain.config import DataConfig, RunConfig
 from moetrain.data.corpus import embedded_corpus
-from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer
-from moetrain.data.tokens import load_dir_tokenizer, load_split, read_meta
+from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from moetrain.data.tokens import fingerprint, load_dir_tokenizer, load_split, read_meta
 
 
 def _check_positive(**values: int) -> None:
@@ -209,6 +212,47 @@ def open_data(
     train = load_split(data_dir, "train", vocab_size)
     val = load_split(data_dir, "val", vocab_size)
     return train, val, tokenizer
+
+
+def resolve_vocab_size(config: RunConfig) -> RunConfig:
+    """`config` with model.vocab_size set: kept when given, else the size of the run's tokenizer
+    (that of the token directory, or data.tokenizer for the embedded corpus) rounded up to a
+    multiple of 64, the granularity at which the embedding and output GEMMs run fast."""
+    if config.model.vocab_size is not None:
+        return config
+    if config.data.random_tokens:
+        raise ValueError("model.vocab_size must be set when data.random_tokens is true")
+    if config.data.path is not None:
+        size = read_meta(config.data.path)["vocab_size"]
+    else:
+        size = load_tokenizer(config.data.tokenizer).vocab_size
+    vocab = -(-size // 64) * 64
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
+
+
+def data_fingerprint(cfg: DataConfig) -> str | None:
+    """The content hash of the run's tokens (`tokens.fingerprint`); None for random tokens."""
+    if cfg.random_tokens:
+        return None
+    if cfg.path is None:
+        return fingerprint(embedded_corpus(cfg.tokenizer, cfg.val_fraction))
+    return fingerprint(cfg.path)
+
+
+def check_same_data(cfg: DataConfig, recorded: str | None, checkpoint: str | Path) -> None:
+    """A ValueError when the tokens differ from those `checkpoint` was trained on (its recorded
+    fingerprint). Checkpoints from before fingerprints were recorded (None) pass."""
+    if recorded is None:
+        return
+    current = data_fingerprint(cfg)
+    if current != recorded:
+        where = f"data.path ({cfg.path})" if cfg.path is not None else "the embedded corpus"
+        raise ValueError(
+            f"the data changed since checkpoint {checkpoint} was saved: {where} has content "
+            f"hash {current}, the checkpoint was trained on {recorded}; restore the original "
+            "data (re-running `moetrain prepare` on the same inputs gives it back), or start a "
+            "new run on the new data (--overwrite or another --run-dir)"
+        )
 
 
 def _same_tokenizer(spec: str, recorded: str) -> bool:

@@ -107,6 +107,10 @@ class HFTokenizer:
             "in its vocabulary (add one, or set eos_token in a tokenizer_config.json next to it)"
         )
 
+    def token(self, token_id: int) -> str | None:
+        """The string of a token id (None for an id without one)."""
+        return self._tokenizer.id_to_token(token_id)
+
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -3,16 +3,20 @@
 A token directory holds ``train.npy`` and ``val.npy`` (flat 1-D arrays of token ids, uint16 when
 the vocabulary fits in 16 bits, else uint32; every document is followed by the tokenizer's EOS
 id), ``meta.json`` (format, version, tokenizer, vocab_size, eos_id, dtype, per-split token and
-document counts) and, for a Hugging Face tokenizer, a copy of its ``tokenizer.json`` so the
+document counts, per-split SHA-256 of the token bytes) and, for a Hugging Face tokenizer, a copy of its ``tokenizer.json`` so the
 directory stays readable when the original file moves. Invariants: a directory is written into
 a temporary sibling and renamed into place at the end, so a crash or a bad input never leaves a
 partial directory; both splits hold at least one document; readers memory-map the arrays and
 check them against meta.json, so a truncated or foreign file is a `ValueError` naming the file.
+`prepare` refuses a non-empty output directory unless told to overwrite it: a run trained on the
+old tokens could not resume on new ones. `fingerprint` names a directory's content, cheaply (see
+its docstring); runs record it so that a resume on changed data is an error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -72,13 +76,23 @@ def prepare(
     tokenizer: str = "byte",
     val_fraction: float = 0.05,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Tokenize text files into a token directory at `out_dir` (see the module docstring).
 
     A ``.txt`` file is one document (a book or an article keeps its long-range context); a
     ``.jsonl`` file holds one document per line, in its string "text" field (blank lines and empty
     texts are skipped). Documents are held out for val by `split_documents`, in input order.
+    An existing token directory at `out_dir` is replaced only with `overwrite` (the runs trained
+    on it would no longer resume); other non-empty directories are never replaced.
     """
+    out = Path(out_dir)
+    if not overwrite and (out / "meta.json").is_file():  # other contents: write_token_dir refuses
+        raise ValueError(
+            f"output directory {out} is not empty: it holds a token directory, and runs trained "
+            "on it could not resume on other tokens; choose another --out, or pass --overwrite "
+            "to replace it"
+        )
     paths = [Path(f) for f in files]
     if not paths:
         raise ValueError("prepare needs at least one input file")
@@ -212,6 +226,7 @@ def _write_splits(
     eos = np.array([tokenizer.eos_id], dtype=dtype).tobytes()
     num_tokens = dict.fromkeys(SPLITS, 0)
     num_documents = dict.fromkeys(SPLITS, 0)
+    digests = {s: hashlib.sha256() for s in SPLITS}
     with contextlib.ExitStack() as stack:
         raw = {s: stack.enter_context(open(tmp / f"{s}.bin", "wb")) for s in SPLITS}
         for split, ids in documents:
@@ -226,8 +241,11 @@ def _write_splits(
                     f"token id {bad} is outside the vocabulary of tokenizer {tokenizer.name} "
                     f"[0, {tokenizer.vocab_size})"
                 )
-            raw[split].write(ids.astype(dtype).tobytes())
+            data = ids.astype(dtype).tobytes()
+            raw[split].write(data)
             raw[split].write(eos)
+            digests[split].update(data)
+            digests[split].update(eos)
             num_tokens[split] += ids.size + 1
             num_documents[split] += 1
     for split in SPLITS:
@@ -247,6 +265,7 @@ def _write_splits(
         "dtype": dtype.name,
         "num_tokens": num_tokens,
         "num_documents": num_documents,
+        "sha256": {s: d.hexdigest() for s, d in digests.items()},
     }
 
 
@@ -332,7 +351,11 @@ def load_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
     if vocab_size is not None and tokens.size:
         top = int(tokens.max())
         if top >= vocab_size:
-            raise ValueError(f"token id {top} in {path} is >= model.vocab_size ({vocab_size})")
+            raise ValueError(
+                f"token id {top} in {path} is >= model.vocab_size ({vocab_size}); its tokenizer "
+                f"has {meta['vocab_size']} ids: set model.vocab_size to at least that, or leave "
+                "it unset (null) to take it from the tokenizer"
+            )
     return tokens
 
 
@@ -352,3 +375,39 @@ def load_dir_tokenizer(data_dir: str | Path) -> ByteTokenizer | HFTokenizer:
             f"{meta['eos_id']}; the tokenizer changed after the data was prepared"
         )
     return tokenizer
+
+
+_SAMPLE_BYTES = 1 << 16
+_SAMPLES = 16
+
+
+def fingerprint(data_dir: str | Path) -> str:
+    """A short hash naming the content of a token directory, for runs to record and compare.
+
+    It must be cheap for corpora of hundreds of GB, since every resume computes it. `prepare`
+    hashes the token bytes while it writes them anyway and stores the SHA-256 of each split in
+    meta.json; the fingerprint hashes those, plus the recorded sizes, so reading it costs one
+    small file. Directories written before meta.json held hashes get a sampled hash instead:
+    each split's size and `_SAMPLES` blocks of 64 KiB spread over it (first and last included),
+    which tells a re-prepared corpus from the original with near certainty while reading a few MB.
+    Writing the .npy files behind meta.json's back is caught by `load_split`'s length checks,
+    not by this hash.
+    """
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    digest = hashlib.sha256()
+    digest.update(json.dumps([meta["dtype"], meta["num_tokens"]], sort_keys=True).encode())
+    recorded = meta.get("sha256")
+    if isinstance(recorded, dict) and all(isinstance(recorded.get(s), str) for s in SPLITS):
+        digest.update(json.dumps([recorded[s] for s in SPLITS]).encode())
+        return digest.hexdigest()[:16]
+    for split in SPLITS:
+        path = data_dir / f"{split}.npy"
+        size = path.stat().st_size
+        digest.update(str(size).encode())
+        with open(path, "rb") as f:
+            step = max(size - _SAMPLE_BYTES, 0) / max(_SAMPLES - 1, 1)
+            for i in range(_SAMPLES):
+                f.seek(int(i * step))
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]

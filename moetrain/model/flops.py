@@ -1,6 +1,6 @@
 """Parameter, active-parameter and FLOP accounting: the single source of truth for MFU and bench.
 
-Definitions (shared/BENCHMARKS.md):
+Definitions (docs/benchmarks.md):
 - active parameters per token: every parameter a token's forward touches, excluding the input
   embedding (a lookup, not a product) and including the LM head; of the experts, only top_k
   (plus shared experts) count.

@@ -21,7 +21,7 @@ from moetrain.plan.layout import (
     default_global_batch_tokens,
 )
 from moetrain.plan.search import Estimate, plan
-from moetrain.presets import get_preset
+from moetrain.presets import load_config as layered_config
 
 _CLUSTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Cluster)}
 
@@ -64,10 +64,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def load_config(config: str | None, preset: str | None, overrides: list[str]) -> RunConfig:
-    if (config is None) == (preset is None):
-        raise ValueError("give either a config file or --preset NAME")
-    run = get_preset(preset) if preset is not None else RunConfig.load_yaml(config)
-    return run.with_overrides(overrides) if overrides else run
+    """--preset, a config file (layered on the preset it names, or on --preset), then --set."""
+    if config is None and preset is None:
+        raise ValueError("give a config file or --preset NAME")
+    run = layered_config(preset, config)
+    run = run.with_overrides(overrides) if overrides else run
+    if run.model.vocab_size is None:  # the planner never reads data: the benchmark vocabulary
+        run = run.with_overrides(["model.vocab_size=50304"])
+    return run
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -10,7 +10,10 @@ optimizer step, skipped on the device when the loss or a gradient is not finite 
 above its recent window (train/spike.py) -> MoE end-of-step (aux-loss-free bias update). Metrics
 stay on the device and are read at the log cadence only. SIGTERM / Ctrl-C finish the current step,
 save a checkpoint and return; K consecutive skipped steps (seen at a log step) save and stop with
-an error message. An unwritable run directory is an error before the model is built.
+an error message. An unwritable run directory is an error before the model is built, and so is
+one that another live run holds: the main rank locks it for the life of the run (run_lock.py).
+Checkpoints record the tokens' content hash and carry the tokenizer; a resume checks both the
+hash and that the architecture and data settings of the config are the checkpoint's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ import torch.distributed as dist
 from moetrain import faults
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
-from moetrain.data import RandomTokenLoader, SequenceLoader, open_data
+from moetrain.config_resume import check_resumable
+from moetrain.data import (
+    RandomTokenLoader,
+    SequenceLoader,
+    check_same_data,
+    data_fingerprint,
+    open_data,
+    resolve_vocab_size,
+)
+from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.flops import flops_per_token
 from moetrain.model.transformer import Transformer
 from moetrain.optim.adamw import AdamW
@@ -47,6 +59,7 @@ from moetrain.train.build import (
 from moetrain.train.graph import StepGraph
 from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory_gib
 from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
+from moetrain.train.run_lock import RunDirLocked, RunLock
 from moetrain.train.spike import LossSpikeDetector
 
 
@@ -66,15 +79,18 @@ class Trainer:
         progress: bool = True,
         overwrite: bool = False,
     ) -> None:
+        config = resolve_vocab_size(config)  # unset: from the tokenizer
         self.config = config
         self.dims: ParallelDims = init_distributed(config, device)
         self.device = self.dims.device
         self.is_main = self.dims.rank == 0
         self.run_dir = Path(run_dir or Path("runs") / config.name)
         self.checkpoint_root = self.run_dir / "checkpoints"
+        manager.check_writable(self.checkpoint_root)  # fail now, not at the first save
+        self.run_lock = RunLock(self.run_dir) if self.is_main else None
+        self._hold_run_dir()  # before --overwrite may delete anything
         if not resume:
             claim_run_dir(self.run_dir, self.checkpoint_root, overwrite, self.is_main)
-        manager.check_writable(self.checkpoint_root)  # fail now, not at the first save
         self.accum_steps = config.grad_accum_steps(self.dims.dp)
         t = config.train
         self.tokens_per_step = t.micro_batch_size * t.seq_len * self.accum_steps * self.dims.dp
@@ -101,6 +117,10 @@ class Trainer:
 
         # ---- data ----
         self.train_loader, self.val_loader, self.tokenizer = self._build_loaders()
+        self.data_fingerprint = data_fingerprint(config.data)
+        self._tokenizer_files = (  # every checkpoint carries them (data/tokenizer_files.py)
+            tokenizer_files(self.tokenizer, t.seq_len) if self.tokenizer is not None else None
+        )
 
         # ---- state that checkpoints carry ----
         self.step = 0
@@ -120,10 +140,17 @@ class Trainer:
 
         self.resumed_from: Path | None = None
         if resume:
-            latest = manager.latest(self.checkpoint_root)
+            latest = manager.latest(self.checkpoint_root, move_corrupt=self.is_main)
             if latest is not None:
                 self.load_checkpoint(latest)
                 self.resumed_from = latest
+            elif manager.unusable(self.checkpoint_root):
+                names = ", ".join(p.name for p in manager.unusable(self.checkpoint_root))
+                raise manager.CheckpointError(
+                    f"--resume: no checkpoint under {self.checkpoint_root} verifies ({names}); "
+                    "refusing to start over at step 0. Inspect them, or start the run over "
+                    "without --resume and with --overwrite (which deletes them)"
+                )
             elif progress and self.is_main:  # a first start under a requeue-safe --resume
                 print(f"no complete checkpoint under {self.checkpoint_root}: starting at step 0")
         elif init_from is not None:
@@ -136,6 +163,19 @@ class Trainer:
         self.metrics = MetricsSink(self.run_dir, enabled=self.is_main)
         self.throughput = Throughput(flops_per_token(config), self.device)
         self.gaming = TokenGamingDetector()
+
+    def _hold_run_dir(self) -> None:
+        """The main rank locks the run directory for the life of the run (train/run_lock.py);
+        every rank raises the same error when another run holds it."""
+        error = None
+        if self.run_lock is not None:
+            try:
+                self.run_lock.acquire()
+            except RunDirLocked as exc:
+                error = str(exc)
+        error = manager.first_error(error)
+        if error is not None:
+            raise RunDirLocked(error)
 
     def _build_step_graph(self) -> StepGraph | None:
         choice = self.config.train.cuda_graph
@@ -228,6 +268,8 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
             destroy_distributed()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def train_step(self, train_iter) -> torch.Tensor:
         """One optimizer step (also what `moetrain bench` times). Returns the loss on device.
@@ -416,9 +458,11 @@ class Trainer:
             "spike_total": self.spike_total,
             "train_loader": self.train_loader.state_dict(),
             "world_size": self.dims.world_size,
+            "data_fingerprint": self.data_fingerprint,
             # every router draws once per forward, so one number restores them all
             "routing_draws": max((m.router.draws for m in self.model.moe_layers()), default=0),
             **({"loss_window": self.spikes.state_dict()} if self.spikes is not None else {}),
+            **({"tokenizer": describe(self.tokenizer)} if self.tokenizer is not None else {}),
         }
 
     def save_checkpoint(self) -> Path:
@@ -431,11 +475,18 @@ class Trainer:
             self.trainer_state(),
             yaml.safe_dump(self.config.to_dict(), sort_keys=False),
             keep=self.config.train.keep_checkpoints,
+            extra_files=self._tokenizer_files,
         )
 
     def load_checkpoint(self, path: str | Path) -> None:
+        """Resume from `path`. Its config.yaml must agree with this run's on the architecture and
+        the data (moetrain/config_resume.py); anything else may have changed."""
+        saved = Path(path) / "config.yaml"
+        check_resumable(RunConfig.load_yaml(saved), self.config, str(saved))
         state = self.tensor_state()
         trainer_state = manager.load(path, state)
+        if trainer_state.get("data_fingerprint") != self.data_fingerprint:
+            check_same_data(self.config.data, trainer_state.get("data_fingerprint"), path)
         self.optimizer.load_state_dict(localize(state["optim"]))
         torch.set_rng_state(state["rng"]["cpu"])
         self.step = trainer_state["step"]

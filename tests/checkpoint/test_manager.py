@@ -122,3 +122,30 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, phase):
         assert message is not None and "rank 0: saving checkpoint step-2" in message
         assert "no space left on device" in message and "step-1" in message
         assert entries == ["step-1"]  # no step-2, no step-2.tmp
+
+
+def test_rotation_never_keeps_a_corrupt_checkpoint_nor_deletes_the_newest_good_one(
+    tmp_path, capsys
+):
+    for step in (1, 2, 3):
+        manager.save(tmp_path, step, _state(step), {"step": step}, "", keep=2)
+    shard = next((tmp_path / "step-3").glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # caught by the hash at resume
+    assert manager.latest(tmp_path, move_corrupt=True).name == "step-2"
+    assert "moved aside to step-3.corrupt" in capsys.readouterr().out
+    manager.save(tmp_path, 4, _state(4), {"step": 4}, "", keep=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-2", "step-3.corrupt", "step-4"]
+    # A kept checkpoint truncated meanwhile is caught by its sizes at the next rotation.
+    shard = next((tmp_path / "step-4").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    manager.save(tmp_path, 5, _state(5), {"step": 5}, "", keep=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-2", "step-3.corrupt", "step-4.corrupt", "step-5"]
+    assert [p.name for p in manager.unusable(tmp_path)] == [
+        "step-2",
+        "step-3.corrupt",
+        "step-4.corrupt",
+        "step-5",
+    ]

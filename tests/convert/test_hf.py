@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -325,3 +326,24 @@ def test_cli_export_and_import(tmp_path, capsys):
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("1000") == 1000
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size("5 parsecs")
+
+
+def test_exported_byte_tokenizer_encodes_and_decodes_as_moetrain(tmp_path):
+    """A byte-level run's export ships a tokenizer.json: AutoTokenizer encodes text to exactly
+    moetrain's ids and decodes them back; the files are readable by all (0644 under umask 022)."""
+    from moetrain.data import ByteTokenizer
+
+    config = tiny()
+    out = export_checkpoint(save_checkpoint(tmp_path, config, build_model(config)), tmp_path / "hf")
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    ours = ByteTokenizer()
+    for text in ["hello", "héllo wörld ✓ 🚀\n\tdef f(x):\x00\x7f  end", " leading space", ""]:
+        ids = ours.encode(text)
+        assert auto(text)["input_ids"] == ids  # and no special tokens added by default
+        assert auto.decode(ids) == text == ours.decode(ids)
+    assert auto.eos_token_id == ours.eos_id == 256
+    assert auto.decode([104, 105, 256], skip_special_tokens=True) == "hi"
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in out.iterdir():
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file.name

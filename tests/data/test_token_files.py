@@ -1,10 +1,11 @@
+import hashlib
 import json
 
 import numpy as np
 import pytest
 
 from moetrain.data import ByteTokenizer, load_split, prepare, read_meta, split_documents
-from moetrain.data.tokens import write_token_dir
+from moetrain.data.tokens import fingerprint, write_token_dir
 
 EOS = ByteTokenizer.eos_id
 
@@ -130,10 +131,10 @@ def test_failed_prepare_keeps_the_previous_directory(tmp_path):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="is empty"):
-        prepare([*inputs, tmp_path / "empty.txt"], out, progress=False)
+        prepare([*inputs, tmp_path / "empty.txt"], out, progress=False, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # A successful run replaces it, and leaves no temporary directories behind.
-    prepare(inputs[:2], out, val_fraction=0.5, progress=False)
+    prepare(inputs[:2], out, val_fraction=0.5, progress=False, overwrite=True)
     assert read_meta(out)["num_documents"] == {"train": 1, "val": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [p.name for p in inputs] + ["empty.txt", "tokens"]
@@ -151,6 +152,40 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
     (foreign / "notes.txt").unlink()
     prepare(inputs, foreign, progress=False)  # an empty directory is fine
     assert read_meta(foreign)["num_documents"]["train"] == 4
+
+
+def test_prepare_refuses_a_used_directory_without_overwrite(tmp_path):
+    inputs = write_txt(tmp_path, TEXTS)
+    out = prepare(inputs, tmp_path / "tokens", progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match="is not empty: it holds a token directory.*--overwrite"):
+        prepare(inputs[:2], out, val_fraction=0.5, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    prepare(inputs[:2], out, val_fraction=0.5, progress=False, overwrite=True)
+    assert read_meta(out)["num_documents"] == {"train": 1, "val": 1}
+
+
+def test_fingerprint_follows_the_content(tmp_path):
+    inputs = write_txt(tmp_path, TEXTS)
+    a = prepare(inputs, tmp_path / "a", progress=False)
+    again = prepare(inputs, tmp_path / "again", progress=False)
+    other = prepare(inputs[:4], tmp_path / "other", progress=False)
+    meta = read_meta(a)
+    for split in ("train", "val"):  # the recorded hash is that of the token bytes
+        data = np.load(a / f"{split}.npy").tobytes()
+        assert meta["sha256"][split] == hashlib.sha256(data).hexdigest()
+    assert fingerprint(a) == fingerprint(again) != fingerprint(other)
+    # A directory from before hashes were recorded gets a sampled hash of its files.
+    for d in (a, other):
+        meta = read_meta(d)
+        del meta["sha256"]
+        (d / "meta.json").write_text(json.dumps(meta))
+    sampled = fingerprint(a)
+    assert sampled != fingerprint(again) and sampled != fingerprint(other)
+    tokens = np.load(a / "train.npy")
+    tokens[len(tokens) // 2] ^= 1  # same size, one token changed
+    np.save(a / "train.npy", tokens)
+    assert fingerprint(a) != sampled
 
 
 @pytest.fixture

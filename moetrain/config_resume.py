@@ -1,0 +1,102 @@
+"""The config a resumed run trains with: the run's own, plus the changes that are safe to make.
+
+A checkpoint's state means something only under two parts of the config it was trained with:
+the architecture (the shape and the meaning of every tensor, and the optimizer state's layout)
+and the data (the loader's saved position counts windows of these tokens, cut at this seq_len,
+batched by this micro-batch size and shuffled with this seed). A resume that changes one of
+`FROZEN` is an error naming the field. Everything else may change and the difference is printed:
+the run's length and schedule, the cadences of logging, evaluation and checkpoints, the optimizer's
+hyperparameters, the parallel layout (checkpoints hold global tensors), kernels and precision of
+the expert GEMMs. `data.path` may change too (a token directory that moved): the tokens' content
+hash, recorded in every checkpoint, catches different data under any path. This module does not
+import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetrain.config import RunConfig
+
+# section -> fields a resume must not change; "*" is every field of the section except those
+# listed in ALLOWED
+FROZEN: dict[str, tuple[str, ...]] = {
+    "model": ("*",),
+    "moe": (
+        "num_experts",
+        "top_k",
+        "expert_hidden",
+        "score_func",
+        "renormalize",
+        "routing",
+        "num_shared_experts",
+    ),
+    "train": ("seed", "seq_len", "micro_batch_size", "optimizer"),
+    "data": ("*",),
+    "precision": ("param_dtype", "master_weights"),
+}
+ALLOWED = {"model.attention_backend", "data.path"}
+
+
+def is_frozen(key: str) -> bool:
+    section, _, name = key.partition(".")
+    fields = FROZEN.get(section, ())
+    return key not in ALLOWED and ("*" in fields or name in fields)
+
+
+def differences(old: RunConfig, new: RunConfig) -> list[tuple[str, Any, Any]]:
+    """(section.field, old value, new value) for every field that differs, in config order."""
+    a, b = old.to_dict(), new.to_dict()
+    out = []
+    for section, values in a.items():
+        if not isinstance(values, dict):
+            if values != b[section]:
+                out.append((section, values, b[section]))
+            continue
+        for name, value in values.items():
+            if value != b[section][name]:
+                out.append((f"{section}.{name}", value, b[section][name]))
+    return out
+
+
+def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
+    """Raise a ValueError naming the first frozen field that differs between the config a run
+    was saved with (`source` says where it lives) and `new`; return the other differences as
+    printable lines ("train.steps: 50 -> 100")."""
+    changes = differences(saved, new)
+    for key, old, value in changes:
+        if is_frozen(key):
+            raise ValueError(
+                f"{key} cannot change on --resume ({old!r} in {source}, {value!r} now): the "
+                "checkpoint's weights, optimizer state or data position depend on it; start a "
+                "new run (another --run-dir, or --init-from the checkpoint for its weights)"
+            )
+    return [f"{key}: {old!r} -> {value!r}" for key, old, value in changes]
+
+
+def resume_config(
+    saved: RunConfig,
+    overrides: list[str],
+    source: str,
+    requested: RunConfig | None = None,
+    requested_from: str = "",
+) -> tuple[RunConfig, list[str]]:
+    """The config of a resumed run: `saved` (the run's config.yaml, at `source`) with the --set
+    `overrides` applied, and the list of its changes. `requested`, the config that a --preset or
+    YAML given again on the command line builds (with the same overrides), must equal it: on
+    resume the run's own config is the base, and a preset that differs from it would otherwise
+    change fields silently."""
+    config = saved.with_overrides(overrides)
+    if requested is not None:
+        diverging = differences(config, requested)
+        if diverging:
+            shown = "; ".join(
+                f"{key} ({value!r} there, {old!r} in the run)" for key, old, value in diverging[:4]
+            )
+            more = f" and {len(diverging) - 4} more" if len(diverging) > 4 else ""
+            raise ValueError(
+                f"--resume continues the run's own config ({source}), but {requested_from} "
+                f"differs from it: {shown}{more}. Drop {requested_from} to resume as the run "
+                "was configured, or change a field with --set"
+            )
+    return config, check_resumable(saved, config, source)

@@ -1,0 +1,85 @@
+"""Will this run fit in this machine's memory? The planner's prediction, checked before any
+allocation, so a run that cannot fit is a clear error instead of the OS killing it mid-build.
+
+The prediction is the peak over pipeline stages of `plan.memory.stage_memory` (parameters,
+gradients, optimizer shards, activations, the backward's transient, an overhead) for the layout
+the run will use. It is compared with the free memory of the CUDA device, or, on CPU, with the
+memory the kernel reports as available (MemAvailable), shared by the processes of this node.
+The check errs on the side of letting a run start: the CPU overhead term is small, the
+replicated AdamW's unsharded states are counted as sharded, and a layout the planner cannot
+model skips the check (the trainer reports layout errors itself). `force` skips it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from moetrain.config import RunConfig
+from moetrain.dry_run import layout_from_config
+from moetrain.plan.layout import GIB, num_microbatches
+from moetrain.plan.memory import stage_memory
+
+
+def predicted_peak(config: RunConfig, world_size: int, device_type: str) -> int:
+    """Bytes at the peak of the most loaded rank, under the parameter dtype `device_type` gets."""
+    if config.precision.param_dtype == "auto" and device_type != "cuda":
+        config = dataclasses.replace(  # auto means fp32 parameters off the GPU
+            config, precision=dataclasses.replace(config.precision, param_dtype="fp32")
+        )
+    layout = layout_from_config(config, world_size)
+    t = config.train
+    tokens = t.global_batch_tokens or t.micro_batch_size * t.seq_len * layout.dp
+    num_micro = num_microbatches(config, layout, tokens)
+    overhead = 2 * GIB if device_type == "cuda" else GIB // 4
+    return max(
+        stage_memory(config, layout, stage, num_micro, overhead=overhead).peak
+        for stage in range(layout.pp)
+    )
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, description) free for one rank on `device`."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free, f"free on {device} ({total / GIB:.1f} GiB in all)"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = _mem_available()
+    what = "available RAM" + (f" / {local_ranks} processes on this node" if local_ranks > 1 else "")
+    return available // local_ranks, what
+
+
+def _mem_available() -> int:
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(config: RunConfig, device: str | None, force: bool = False) -> None:
+    """A ValueError with both numbers when the predicted peak exceeds the free memory."""
+    if force:
+        return
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if target.type not in ("cuda", "cpu"):
+        return
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        needed = predicted_peak(config, world_size, target.type)
+    except ValueError:  # a layout the planner does not model: the trainer judges it
+        return
+    free, what = available_memory(target)
+    if needed > free:
+        raise ValueError(
+            f"this run needs about {needed / GIB:.1f} GiB per process (the planner's estimate for "
+            f"{config.name}: `moetrain train --dry-run` itemizes it), more than the "
+            f"{free / GIB:.1f} GiB {what}; make the model or train.micro_batch_size smaller, "
+            "spread it over more devices, or pass --force to try anyway"
+        )

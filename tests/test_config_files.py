@@ -1,0 +1,64 @@
+"""Config files: a YAML layered on the preset it names (or on --preset), the starter that
+`moetrain config` prints, the shipped example, and the memory check before a run allocates."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moetrain.cli import main
+from moetrain.config import RunConfig
+from moetrain.presets import load_config, tiny
+from moetrain.train import fits
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_run.yaml"
+
+
+def test_a_yaml_layers_over_its_preset(tmp_path):
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("preset: tiny\ntrain:\n  steps: 7\n")
+    expected = tiny().with_overrides(["train.steps=7"])
+    assert load_config(path=partial) == expected
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("train:\n  steps: 7\n")
+    assert load_config("tiny", bare) == expected
+    assert load_config(path=bare).model.d_model == RunConfig().model.d_model  # no base: defaults
+    with pytest.raises(ValueError, match="--preset demo and the `preset: tiny` of"):
+        load_config("demo", partial)
+    partial.write_text("preset: tiny\ntrain:\n  stepz: 7\n")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) train\.stepz"):
+        load_config(path=partial)
+
+
+def test_printed_starter_config_round_trips(tmp_path, capsys):
+    assert main(["config", "--preset", "tiny", "--set", "train.lr=1e-3"]) == 0
+    starter = tmp_path / "starter.yaml"
+    starter.write_text(capsys.readouterr().out)
+    assert yaml.safe_load(starter.read_text())["preset"] == "tiny"
+    assert load_config(path=starter) == tiny().with_overrides(["train.lr=1e-3"])
+
+
+def test_the_example_yaml_builds_on_its_preset():
+    config = load_config(path=EXAMPLE)
+    assert (config.name, config.model.d_model, config.train.steps) == ("my_run", 192, 600)
+    assert config.model.vocab_size == 320 and config.train.seq_len == 128  # from `demo`
+    assert fits.predicted_peak(config, 1, "cpu") < 2**30
+
+
+def test_a_run_that_cannot_fit_is_refused_before_allocating(
+    tmp_path, tmp_cache, capsys, monkeypatch
+):
+    huge = ["--set", "model.d_model=65536", "--set", "model.num_layers=64"]
+    run = ["train", "--preset", "tiny", "--quiet", "--run-dir", str(tmp_path / "run")]
+    assert main([*run, *huge, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "this run needs about" in err and "GiB available RAM" in err and "--force" in err
+    assert not (tmp_path / "run").exists()
+    # --force starts anyway (here: a tiny run, with the available memory faked to 1 MiB)
+    monkeypatch.setattr(fits, "_mem_available", lambda: 1 << 20)
+    fast = ["--set", "train.steps=2", "--set", "train.eval_every=0"]
+    assert main([*run, *fast]) == 2
+    assert "more than the 0.0 GiB available RAM" in capsys.readouterr().err
+    assert main([*run, *fast, "--force"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2

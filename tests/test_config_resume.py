@@ -1,0 +1,51 @@
+"""--resume trains with the run's own config.yaml: --set may change what is safe (printed), a
+change of architecture or data is an error naming the field, and a preset given again must agree
+with the run."""
+
+import json
+
+import pytest
+import yaml
+
+from moetrain.cli import main
+from moetrain.config_resume import check_resumable, is_frozen, resume_config
+from moetrain.presets import tiny
+
+
+def test_frozen_and_free_fields():
+    assert is_frozen("model.d_model") and is_frozen("moe.top_k") and is_frozen("train.seq_len")
+    assert is_frozen("data.tokenizer") and is_frozen("precision.master_weights")
+    free = ("train.steps", "train.lr", "train.log_every", "parallel.ep", "data.path", "name")
+    assert not any(is_frozen(k) for k in free)
+    saved = tiny()
+    lines = check_resumable(saved, saved.with_overrides(["train.steps=80"]), "run/config.yaml")
+    assert lines == ["train.steps: 50 -> 80"]
+    with pytest.raises(ValueError, match=r"moe\.top_k cannot change on --resume \(2 in x.yaml"):
+        check_resumable(saved, saved.with_overrides(["moe.top_k=1"]), "x.yaml")
+    with pytest.raises(ValueError, match=r"--preset tiny differs from it: train\.lr \(0\.003 "):
+        resume_config(
+            saved.with_overrides(["train.lr=1e-3"]), [], "c.yaml", tiny(), "--preset tiny"
+        )
+
+
+def test_resume_rebuilds_the_config_from_the_run(tmp_cache, tmp_path, capsys):
+    run = tmp_path / "run"
+    first = ["train", "--preset", "tiny", "--quiet", "--run-dir", str(run)]
+    sets = ["--set", "train.lr=1e-3", "--set", "train.steps=2", "--set", "train.eval_every=0"]
+    assert main([*first, *sets]) == 0
+    capsys.readouterr()
+    # no preset, no repeated flags: the run's config.yaml, with the longer horizon printed
+    resume = ["train", "--resume", "--quiet", "--run-dir", str(run)]
+    assert main([*resume, "--set", "train.steps=4"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 4
+    assert "train.steps: 2 -> 4" in err
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["train"]["lr"] == 1e-3 and saved["model"]["d_model"] == 64
+    # the preset again without the original --set would change train.lr: refused
+    assert main([*resume, "--preset", "tiny", "--set", "train.steps=6"]) == 2
+    assert "differs from it: train.lr (0.003 there, 0.001 in the run)" in capsys.readouterr().err
+    for field, value in (("model.d_model", 96), ("train.seq_len", 32), ("data.tokenizer", "x")):
+        assert main([*resume, "--set", f"{field}={value}"]) == 2
+        assert f"{field} cannot change on --resume" in capsys.readouterr().err
+    assert yaml.safe_load((run / "config.yaml").read_text()) == saved
