@@ -60,7 +60,8 @@ def grouped_mm(x_ND: torch.Tensor, w_eDF: torch.Tensor, offsets_e: torch.Tensor)
     if x_ND.dtype == torch.float64:
         return grouped_mm_reference(x_ND, w_eDF, offsets_e)
     d, f = w_eDF.shape[1:]
-    reason = grouped_mm_unsupported_reason(x_ND.dtype, {"the input width": d, "output width": f})
+    widths = {"the input width": d, "output width": f}
+    reason = grouped_mm_unsupported_reason(x_ND.dtype, widths)
     if reason is not None:
         raise ValueError(f"grouped_mm: {reason}")
     return torch._grouped_mm(x_ND, w_eDF, offs=offsets_e)

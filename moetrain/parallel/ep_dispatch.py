@@ -63,14 +63,56 @@ def _expert_major_index(
     return torch.where(valid_M, row_M, sink_row), offsets_e
 
 
-def _inverse_index(index_M: torch.Tensor, valid_M: torch.Tensor | None, size: int) -> torch.Tensor:
-    """inverse[index_M[m]] = m for valid m; rows nobody points at get 0. Unique scatter targets
-    (invalid m go to private slots past `size`), so the result is deterministic."""
+def _inverse_index(
+    index_M: torch.Tensor, valid_M: torch.Tensor | None, size: int, fill: int = 0
+) -> torch.Tensor:
+    """inverse[index_M[m]] = m for valid m; rows nobody points at get `fill`. Unique scatter
+    targets (invalid m go to private slots past `size`), so the result is deterministic."""
     m_M = torch.arange(index_M.numel(), device=index_M.device)
     if valid_M is not None:
         index_M = torch.where(valid_M, index_M, size + m_M)
-    inverse = torch.zeros(size + index_M.numel(), dtype=torch.int64, device=index_M.device)
+    inverse = torch.full((size + index_M.numel(),), fill, dtype=torch.int64, device=index_M.device)
     return inverse.scatter_(0, index_M, m_M)[:size]
+
+
+class _GatherRows(torch.autograd.Function):
+    """out[m] = src[index[m]], where no src row is read by two positions except rows whose
+    gradient is dropped (the sink, padding). The backward is a gather too: grad_src[r] =
+    grad_out[back[r]], with back[r] = the position that read row r, or len(index) (a zero row)
+    for rows whose gradient is dropped. Indexing's own backward scatter-adds, serialized on the
+    sink row that every padding position reads (108 ms a layer of olmoe-1b-7b at ep 2-8 with
+    all four NoSync movements, against 2.5 for the LocalDispatcher's; benchmarks/RESULTS.md)."""
+
+    @staticmethod
+    def forward(ctx, src, index, back):  # type: ignore[override]
+        ctx.save_for_backward(back)
+        return src[index]
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (back,) = ctx.saved_tensors
+        padded = torch.cat([grad_out, grad_out.new_zeros(1, *grad_out.shape[1:])])
+        return padded[back], None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """send[r] = x[token_of_row[r]]: each token fills the rows of its kept routes (padding rows
+    read token 0). Backward: grad_x[t] = sum over k of grad_send[send_row[t, k]], read with a
+    zero row at index R for dropped routes (and padding rows ignored: nothing reads them), summed
+    in fp32: a gather, no scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_of_row_R, send_row_TK):  # type: ignore[override]
+        ctx.save_for_backward(send_row_TK)
+        return x_TD[token_of_row_R]
+
+    @staticmethod
+    def backward(ctx, grad_RD):  # type: ignore[override]
+        (send_row_TK,) = ctx.saved_tensors
+        padded = torch.cat([grad_RD, grad_RD.new_zeros(1, grad_RD.shape[1])])
+        acc = torch.promote_types(grad_RD.dtype, torch.float32)
+        grad_TD = padded[send_row_TK].to(acc).sum(1).to(grad_RD.dtype)
+        return grad_TD, None, None
 
 
 # ---- AllToAllDispatcher ---------------------------------------------------------------------
@@ -83,6 +125,8 @@ class AllToAllHandle:
     recv_to_expert_major_R: torch.Tensor  # position in rows_ND of each received row
     send_splits: list[int]
     recv_splits: list[int]
+    expert_major_to_recv_R: torch.Tensor  # received row of each expert-major position
+    order_N: torch.Tensor  # flat (token, k) route of each sorted send row
     row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
 
 
@@ -114,8 +158,8 @@ class AllToAllDispatcher:
         ids_N = routing.expert_ids_TK.reshape(-1)
         # 1. Sort routes by global expert: rank d's rows are contiguous, in local-expert order.
         order_N = sort_routes(ids_N, self.num_experts)
-        send_ND = x_TD[order_N // K]
         inverse_order_N = inverse_permutation(order_N)
+        send_ND = _GatherTokens.apply(x_TD, order_N // K, inverse_order_N.view(T, K))
         # 2. Exchange counts: recv_counts_Ge[s, x] = routes from rank s to my local expert x.
         send_counts_E = count_tokens_per_expert(ids_N, self.num_experts)
         recv_counts_Ge = all_to_all_counts(send_counts_E, self.group)
@@ -134,13 +178,21 @@ class AllToAllDispatcher:
             recv_to_expert_major_R=_inverse_index(recv_row_R, None, num_recv),
             send_splits=send_splits,
             recv_splits=recv_splits,
+            expert_major_to_recv_R=recv_row_R,
+            order_N=order_N,
         )
-        return recv_RD[recv_row_R], offsets_e, handle
+        # permutations: every backward is the gather by the inverse (see _GatherRows)
+        rows_RD = _GatherRows.apply(recv_RD, recv_row_R, handle.recv_to_expert_major_R)
+        return rows_RD, offsets_e, handle
 
     def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        y_recv_RD = y_ND[handle.recv_to_expert_major_R]
+        y_recv_RD = _GatherRows.apply(
+            y_ND, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R
+        )
         y_sorted_ND = all_to_all(y_recv_RD, self.group, handle.send_splits, handle.recv_splits)
-        return weighted_sum_of_routes(y_sorted_ND[handle.inverse_order_TK], handle.weights_TK)
+        T, K = handle.inverse_order_TK.shape
+        y_N = _GatherRows.apply(y_sorted_ND, handle.inverse_order_TK.reshape(-1), handle.order_N)
+        return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
 
     def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
         return {}  # dropless, no padding: nothing to report
@@ -188,6 +240,8 @@ class NoSyncHandle:
     send_row_TK: torch.Tensor  # row of each route in the send buffer; dropped: the sink row
     recv_to_expert_major_R: torch.Tensor  # position in rows_ND of each received row
     weights_TK: torch.Tensor
+    expert_major_to_recv_R: torch.Tensor  # received row of each expert-major position; pad: R
+    route_of_send_row_R: torch.Tensor  # route of each send row (+ the sink); unused: T * K
     row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
 
 
@@ -253,15 +307,21 @@ class NoSyncDispatcher:
         # 4. Move: write routes into their blocks (padding rows carry token 0; nobody reads them
         #    and their gradient is zero), exchange fixed blocks.
         token_of_row_R = _inverse_index(send_row_N, keep_N, R) // K
-        recv_RD = self.transport.exchange(x_TD[token_of_row_R], payload=self.payload)
+        send_RD = _GatherTokens.apply(x_TD, token_of_row_R, send_row_N.view(T, K))
+        recv_RD = self.transport.exchange(send_RD, payload=self.payload)
         # 5. One gather into expert-major order; positions past the last offset read the sink.
+        #    Every gather's backward is a gather by the inverse index (see _GatherRows).
         start_sx = torch.arange(G, device=device)[:, None] * B + block_start_sdx[:, me, :]
         recv_row_R, offsets_e = _expert_major_index(kept_sdx[:, me, :], start_sx, R, sink_row=R)
-        rows_RD = recv_RD[recv_row_R]
+        used_R = recv_row_R < R
+        recv_to_expert_major_R = _inverse_index(recv_row_R, used_R, R + 1, fill=R)
+        rows_RD = _GatherRows.apply(recv_RD, recv_row_R, recv_to_expert_major_R)
         handle = NoSyncHandle(
             send_row_TK=send_row_N.view(T, K),
-            recv_to_expert_major_R=_inverse_index(recv_row_R, recv_row_R < R, R),
+            recv_to_expert_major_R=recv_to_expert_major_R[:R].clamp(max=R - 1),
             weights_TK=routing.weights_TK,
+            expert_major_to_recv_R=torch.where(used_R, recv_row_R, R),
+            route_of_send_row_R=_inverse_index(send_row_N, keep_N, R + 1, fill=T * K),
         )
         if torch.is_grad_enabled() and not is_recomputing():  # training forwards, once each
             self._record(keep_N, offsets_e, R)
@@ -269,8 +329,13 @@ class NoSyncDispatcher:
 
     def combine(self, y_RD: torch.Tensor, handle: NoSyncHandle) -> torch.Tensor:
         # 6. Reverse movement, then the weighted sum; dropped routes read the zero sink row.
-        y_back_RD = self.transport.exchange(y_RD[handle.recv_to_expert_major_R])
-        return weighted_sum_of_routes(y_back_RD[handle.send_row_TK], handle.weights_TK)
+        T, K = handle.send_row_TK.shape
+        y_recv_RD = _GatherRows.apply(
+            y_RD, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R
+        )
+        y_back_RD = self.transport.exchange(y_recv_RD)
+        y_N = _GatherRows.apply(y_back_RD, handle.send_row_TK.reshape(-1), handle.route_of_send_row_R)  # fmt: skip
+        return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
 
     @torch.no_grad()
     def _record(self, keep_N: torch.Tensor, offsets_e: torch.Tensor, rows_allocated: int) -> None:

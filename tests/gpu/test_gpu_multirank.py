@@ -3,12 +3,16 @@
 NCCL refuses two ranks on one GPU, but gloo moves CUDA tensors for every collective moetrain's
 expert, data and ZeRO-1 paths use. Each case trains with the Trainer (compiled blocks, Triton
 kernels, bf16 unless stated) in `world` processes on the one GPU, and the same global batch in
-one process (gradient accumulation over the same micro-batches), then compares: the loss at
-every step, and the first MoE layer's gradients (router and all experts, gathered over ep) on
-the next global batch. bf16 paths round at different points (a different summation order in
-the all-reduce, the dispatch gathers), so bf16 is held to the loss within 1e-3 relative and the
-gradients within 2% in norm; fp32 to 1e-5. The pipeline is left out: gloo has no point-to-point
-for CUDA tensors (parallel.backend=gloo with pp > 1 is a start-up error)."""
+one process (gradient accumulation over the same micro-batches), then compares: the first MoE
+layer's gradients (router and all experts, gathered over ep) on the first global batch, from the
+same initial weights, and the loss at every step after. The bf16 paths round at different points
+(the expert-parallel dispatchers weight the routes in their fp32 combine, the local one inside
+the experts' SwiGLU), so bf16 is held to the loss within 1e-3 relative and the gradients within
+2% in norm. (After a few steps near-tied router scores pick other experts for some tokens, so
+later gradients are not comparable elementwise; on the CPU in fp32 these layouts agree to 1e-6.)
+The fp32 case (held to 1e-5) runs eagerly: compiled, torch._grouped_mm takes bf16 only on CUDA
+(fp32 parameters with compiled blocks on a GPU are a start-up error). The pipeline is left out: gloo has no point-to-point for CUDA tensors
+(parallel.backend=gloo with pp > 1 is a start-up error)."""
 
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def _probe_gradients(trainer) -> dict[str, torch.Tensor]:
-    """The first MoE layer's synced gradients on the next global batch (experts: global)."""
+    """The first MoE layer's synced gradients on the first global batch (experts: global)."""
     from moetrain.optim.clip import grad_of
     from moetrain.train import step as train_step
 
@@ -90,8 +94,9 @@ def _run(rank, world, preset, overrides, run_dir, cache, resume, probe):
 
     config = _config(preset, overrides)
     trainer = Trainer(config, run_dir, resume=resume, device="cuda", progress=False)
-    trainer.train()
     grads = _probe_gradients(trainer) if probe else None
+    trainer.optimizer.zero_grad()
+    trainer.train()
     return grads
 
 
@@ -132,12 +137,12 @@ CASES = {
     "tiny-dp2-ep2-alltoall-fp8": ("tiny", 2, ["parallel.ep=2", "moe.dispatcher=all_to_all", "precision.dispatch=fp8"]),  # fmt: skip
     "tiny-dp2-ep2-nosync-fp8": ("tiny", 2, ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4", "precision.dispatch=fp8"]),  # fmt: skip
     "tiny-dp2": ("tiny", 2, []),
+    "tiny-dp2-ep2-nosync-fp32": ("tiny", 2, ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4", "precision.param_dtype=fp32", "parallel.compile=false"]),  # fmt: skip
     "tiny-dp4-ep2-alltoall": ("tiny", 4, ["parallel.ep=2", "moe.dispatcher=all_to_all"]),
-    "tiny-dp2-ep2-nosync-fp32": ("tiny", 2, ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4", "precision.param_dtype=fp32"]),  # fmt: skip
     "small-dp2-ep2-nosync": ("small", 2, ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4"]),  # fmt: skip
     "small-dp4-ep4-alltoall": ("small", 4, ["parallel.ep=4", "moe.dispatcher=all_to_all"]),
 }
-_PRECISION = ("precision.dispatch=fp8", "precision.param_dtype=fp32")
+_PRECISION = ("precision.dispatch=fp8", "precision.param_dtype=fp32", "parallel.compile=false")
 
 
 @pytest.mark.parametrize("case", list(CASES))
