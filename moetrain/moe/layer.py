@@ -12,6 +12,8 @@ when the trainer logs; nothing here syncs with the host.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 
 import torch
@@ -27,13 +29,18 @@ from moetrain.nn.mlp import SwiGLU
 
 
 class AddAuxLossGrad(torch.autograd.Function):
-    """Identity on `y`; in backward, gives `aux_loss` the gradient `scale`."""
+    """A copy of `y`; in backward, gives `aux_loss` the gradient `scale`.
+
+    Applied to the router weights (T x K: the copy costs nothing), which every route's result
+    depends on. A copy, not `y` itself: compiled, an identity whose input is a graph input
+    (the expert-parallel dispatchers break the graph at their collectives) was folded away
+    with its backward, and the auxiliary losses' gradient was dropped without a word."""
 
     @staticmethod
     def forward(ctx, y, aux_loss, scale: float):  # type: ignore[override]
         ctx.scale = scale
         ctx.aux_dtype = aux_loss.dtype
-        return y
+        return y.clone()
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
@@ -82,11 +89,6 @@ class MoELayer(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.router(x_TD)
-        rows_ND, offsets_e, handle = self.dispatcher.dispatch(x_TD, routing)
-        y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N)
-        y_TD = self.dispatcher.combine(y_ND, handle)
-        if self.shared_expert is not None:
-            y_TD = y_TD + self.shared_expert(x_TD)
         if self.training:
             if not is_recomputing():
                 self._record(routing)
@@ -97,8 +99,14 @@ class MoELayer(nn.Module):
             aux_loss = (
                 self.config.lb_loss_weight * lb_loss + self.config.z_loss_weight * routing.z_loss
             )
-            if aux_loss.requires_grad:
-                y_TD = AddAuxLossGrad.apply(y_TD, aux_loss, self.aux_grad_scale)
+            if aux_loss.requires_grad:  # the aux gradient rides on the router weights' backward
+                weights_TK = AddAuxLossGrad.apply(routing.weights_TK, aux_loss, self.aux_grad_scale)
+                routing = dataclasses.replace(routing, weights_TK=weights_TK)
+        rows_ND, offsets_e, handle = self.dispatcher.dispatch(x_TD, routing)
+        y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N)
+        y_TD = self.dispatcher.combine(y_ND, handle)
+        if self.shared_expert is not None:
+            y_TD = y_TD + self.shared_expert(x_TD)
         return y_TD.view(B, S, D)
 
     @torch.no_grad()
