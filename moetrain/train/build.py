@@ -126,17 +126,18 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
 
 
 def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
-    """precision.param_dtype: auto is bf16 on CUDA and fp32 elsewhere. fp32 on CUDA with
-    compiled blocks is an error: torch.compile's shape function of torch._grouped_mm accepts
-    bf16 only on CUDA (torch 2.11: "Expected inputs of BF16 type"), while eager runs fp32."""
+    """precision.param_dtype: auto is bf16 on CUDA and fp32 elsewhere. fp32 with compiled
+    blocks is an error: torch.compile's shape function of torch._grouped_mm accepts bf16 only
+    (torch 2.11 and 2.13: "Expected inputs of BF16 type"), while eager runs fp32."""
     choice = config.precision.param_dtype
     if choice == "auto":
         choice = "bf16" if device.type == "cuda" else "fp32"
-    compiled = config.parallel.compile is not False  # None: on for CUDA
-    if choice == "fp32" and device.type == "cuda" and compiled and config.precision.experts == "bf16":  # fmt: skip
+    compile_ = config.parallel.compile
+    compiled = compile_ is True or (compile_ is None and device.type == "cuda")
+    if choice == "fp32" and compiled and config.precision.experts == "bf16":
         raise ValueError(
-            "precision.param_dtype (fp32) on CUDA needs parallel.compile=false: compiled, the "
-            "expert GEMM (torch._grouped_mm) takes bf16 only on CUDA"
+            "precision.param_dtype (fp32) needs parallel.compile=false: compiled, the expert "
+            "GEMM (torch._grouped_mm) takes bf16 only"
         )
     return torch.bfloat16 if choice == "bf16" else torch.float32
 

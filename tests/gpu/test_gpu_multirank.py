@@ -164,7 +164,7 @@ def test_zero1_on_one_gpu_matches_one_process_and_resumes_in_one_process(tmp_pat
     and its step-2 checkpoint resumed at world size 1 on the GPU."""
     preset, world = "tiny", 4
     cache = str(tmp_path_factory.getbasetemp() / "cache")
-    sharded = ["train.optimizer=sharded", "train.checkpoint_every=2"]
+    sharded = ["train.optimizer=sharded", "train.checkpoint_every=2", "train.keep_checkpoints=5"]
     ref_dir = tmp_path / "one"
     run_distributed(_run, 1, preset, _base(preset, world) + sharded, str(ref_dir), cache, False, False)  # fmt: skip
     layout = [*_base(preset, world), *sharded, "parallel.ep=2", "moe.dispatcher=all_to_all", "parallel.backend=gloo"]  # fmt: skip

@@ -23,9 +23,15 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in lines if r["kind"] == "train"}
 
 
-def test_torchrun_ep2_matches_one_process(tmp_path):
+@pytest.mark.parametrize(
+    "dispatcher",
+    [["moe.dispatcher=all_to_all"], ["moe.dispatcher=no_sync", "moe.capacity_factor=4"]],
+    ids=["all_to_all", "no_sync"],
+)
+def test_torchrun_ep2_matches_one_process(tmp_path, dispatcher):
     """2 processes with ep=2 (micro-batch 4 each) vs 1 process accumulating 2 micro-batches of 4:
-    the same global batch, the same micro-batches, so the same losses."""
+    the same global batch, the same micro-batches, so the same losses. Both EP dispatchers (the
+    NoSync one with capacity factor E / K, which never drops a route)."""
     cache = tmp_path / "cache"
     env = {**os.environ, "MOETRAIN_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     common = [
@@ -77,8 +83,7 @@ def test_torchrun_ep2_matches_one_process(tmp_path):
             *common,
             "--set",
             "parallel.ep=2",
-            "--set",
-            "moe.dispatcher=all_to_all",
+            *[arg for override in dispatcher for arg in ("--set", override)],
         ],
         env=env,
         capture_output=True,

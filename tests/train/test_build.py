@@ -1,0 +1,25 @@
+"""Start-up choices of train/build.py that fail with the field to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.presets import tiny
+from moetrain.train.build import resolve_param_dtype
+
+
+def test_fp32_parameters_with_compiled_blocks_are_a_start_up_error():
+    """torch.compile's shape function of torch._grouped_mm takes bf16 only (eager runs fp32), so
+    the combination would fail at the first compiled forward, deep in a dynamo traceback."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_param_dtype(tiny(), cpu) == torch.float32  # compile is off on the CPU
+    assert resolve_param_dtype(tiny(), cuda) == torch.bfloat16
+    eager_fp32 = tiny().with_overrides(["precision.param_dtype=fp32", "parallel.compile=false"])
+    assert resolve_param_dtype(eager_fp32, cuda) == torch.float32
+    for overrides, device in (
+        (["precision.param_dtype=fp32"], cuda),  # compile defaults on there
+        (["parallel.compile=true"], cpu),
+    ):
+        with pytest.raises(ValueError, match="parallel.compile=false"):
+            resolve_param_dtype(tiny().with_overrides(overrides), device)
