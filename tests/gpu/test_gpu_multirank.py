@@ -180,3 +180,67 @@ def test_zero1_on_one_gpu_matches_one_process_and_resumes_in_one_process(tmp_pat
     assert sorted(after) == [3, 4, 5]
     for step in after:
         assert abs(after[step] - four[step]) <= 1e-3 * abs(four[step]), (step, after[step], four[step])  # fmt: skip
+
+
+def _dispatch_under_sync_debug(rank, world, kind, payload):
+    """One dispatch + combine, forward and backward, under sync-debug "error", with the transport
+    calls (gloo stages CUDA tensors through the host) and the AllToAll dispatcher's one designed
+    sync (its split sizes) exempted: everything else is the dispatcher's own work."""
+    from unittest import mock
+
+    from moetrain.moe.router import RoutingResult
+    from moetrain.parallel import comm, ep_dispatch
+
+    torch.cuda.set_device(0)
+    group = dist.new_group(list(range(world)))
+    T, K, E, D = 512, 4, 16, 256
+    generator = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(T, D, device="cuda", generator=generator, dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda", generator=generator).topk(K, dim=-1).indices
+    weights = torch.rand(T, K, device="cuda", generator=generator).softmax(-1)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    if kind == "no_sync":
+        dispatcher = ep_dispatch.NoSyncDispatcher(E, group, rank, capacity_factor=1.25, payload=payload)  # fmt: skip
+    else:
+        dispatcher = ep_dispatch.AllToAllDispatcher(E, group, payload=payload)
+
+    def step():
+        x_ = x.clone().requires_grad_()
+        w_ = weights.clone().requires_grad_()
+        zero = torch.zeros((), device="cuda")
+        routing = RoutingResult(ids, w_, counts, torch.empty(0, device="cuda"), zero, zero)
+        rows, offsets, handle = dispatcher.dispatch(x_, routing)
+        dispatcher.combine(rows * 2, handle).backward(torch.ones_like(x_))
+        return x_.grad, w_.grad
+
+    def exempt(fn):
+        def call(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+
+        return call
+
+    step()  # warm-up: lazy initialization is not a per-step sync
+    torch.cuda.synchronize()
+    patches = [mock.patch.object(comm, "_exchange", exempt(comm._exchange))]
+    for name in ("all_gather_counts", "all_to_all_counts", "_sync_split_sizes"):
+        patches.append(mock.patch.object(ep_dispatch, name, exempt(getattr(ep_dispatch, name))))
+    for p in patches:
+        p.start()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        for p in patches:
+            p.stop()
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("kind", ["no_sync", "all_to_all"])
+@pytest.mark.parametrize("payload", ["bf16", "fp8"])
+def test_dispatchers_own_work_has_no_host_sync_at_world_size_2(kind, payload):
+    run_distributed(_dispatch_under_sync_debug, 2, kind, payload)
