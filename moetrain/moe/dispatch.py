@@ -98,25 +98,34 @@ def inverse_permutation(order_N: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order_N).scatter_(0, order_N, positions_N)
 
 
-class _PermuteRoutes(torch.autograd.Function):
-    """out[n] = v[order[n]] for a permutation; backward is the gather by its inverse (the generic
-    index backward would scatter-add, which sorts on GPU)."""
+class _GatherRows(torch.autograd.Function):
+    """out[m] = src[index[m]], where no src row is read by two positions except rows whose
+    gradient is dropped (padding, a sink row). The backward is a gather too: grad_src[r] =
+    grad_out[back[r]], with back[r] = the position that read row r, or len(index) (a zero row)
+    for rows whose gradient is dropped. Indexing's own backward scatter-adds (a sort on GPU;
+    serialized where many positions read one sink row)."""
 
     @staticmethod
-    def forward(ctx, v_N, order_N, inverse_N):  # type: ignore[override]
-        ctx.save_for_backward(inverse_N)
-        return v_N[order_N]
+    def forward(ctx, src, index, back):  # type: ignore[override]
+        ctx.save_for_backward(back)
+        return src[index]
 
     @staticmethod
-    def backward(ctx, grad_N):  # type: ignore[override]
-        (inverse_N,) = ctx.saved_tensors
-        return grad_N[inverse_N], None, None
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (back,) = ctx.saved_tensors
+        padded = torch.cat([grad_out, grad_out.new_zeros(1, *grad_out.shape[1:])])
+        return padded[back], None, None
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """src[index], differentiable, with the backward a gather by `back` (see _GatherRows)."""
+    return _GatherRows.apply(src, index, back)
 
 
 def permute_routes(v_N: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """A per-route tensor (leading dim in flat (token, k) order, any trailing dims) in
     expert-row order, differentiable."""
-    return _PermuteRoutes.apply(v_N, order_N, inverse_TK.reshape(-1))
+    return gather_rows(v_N, order_N, inverse_TK.reshape(-1))
 
 
 class _WeightedSumOfRoutes(torch.autograd.Function):

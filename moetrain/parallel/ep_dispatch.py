@@ -28,7 +28,12 @@ from torch.distributed import ProcessGroup
 
 from moetrain.moe.balance import count_tokens_per_expert
 from moetrain.moe.capacity import no_sync_capacities
-from moetrain.moe.dispatch import inverse_permutation, sort_routes, weighted_sum_of_routes
+from moetrain.moe.dispatch import (
+    gather_rows,
+    inverse_permutation,
+    sort_routes,
+    weighted_sum_of_routes,
+)
 from moetrain.moe.payload import check_payload
 from moetrain.moe.recompute import is_recomputing
 from moetrain.moe.router import RoutingResult
@@ -73,26 +78,6 @@ def _inverse_index(
         index_M = torch.where(valid_M, index_M, size + m_M)
     inverse = torch.full((size + index_M.numel(),), fill, dtype=torch.int64, device=index_M.device)
     return inverse.scatter_(0, index_M, m_M)[:size]
-
-
-class _GatherRows(torch.autograd.Function):
-    """out[m] = src[index[m]], where no src row is read by two positions except rows whose
-    gradient is dropped (the sink, padding). The backward is a gather too: grad_src[r] =
-    grad_out[back[r]], with back[r] = the position that read row r, or len(index) (a zero row)
-    for rows whose gradient is dropped. Indexing's own backward scatter-adds, serialized on the
-    sink row that every padding position reads (108 ms a layer of olmoe-1b-7b at ep 2-8 with
-    all four NoSync movements, against 2.5 for the LocalDispatcher's; benchmarks/RESULTS.md)."""
-
-    @staticmethod
-    def forward(ctx, src, index, back):  # type: ignore[override]
-        ctx.save_for_backward(back)
-        return src[index]
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        (back,) = ctx.saved_tensors
-        padded = torch.cat([grad_out, grad_out.new_zeros(1, *grad_out.shape[1:])])
-        return padded[back], None, None
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -181,17 +166,17 @@ class AllToAllDispatcher:
             expert_major_to_recv_R=recv_row_R,
             order_N=order_N,
         )
-        # permutations: every backward is the gather by the inverse (see _GatherRows)
-        rows_RD = _GatherRows.apply(recv_RD, recv_row_R, handle.recv_to_expert_major_R)
+        # permutations: every backward is the gather by the inverse (see moe.dispatch.gather_rows)
+        rows_RD = gather_rows(recv_RD, recv_row_R, handle.recv_to_expert_major_R)
         return rows_RD, offsets_e, handle
 
     def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        y_recv_RD = _GatherRows.apply(
+        y_recv_RD = gather_rows(
             y_ND, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R
         )
         y_sorted_ND = all_to_all(y_recv_RD, self.group, handle.send_splits, handle.recv_splits)
         T, K = handle.inverse_order_TK.shape
-        y_N = _GatherRows.apply(y_sorted_ND, handle.inverse_order_TK.reshape(-1), handle.order_N)
+        y_N = gather_rows(y_sorted_ND, handle.inverse_order_TK.reshape(-1), handle.order_N)
         return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
 
     def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
@@ -310,12 +295,12 @@ class NoSyncDispatcher:
         send_RD = _GatherTokens.apply(x_TD, token_of_row_R, send_row_N.view(T, K))
         recv_RD = self.transport.exchange(send_RD, payload=self.payload)
         # 5. One gather into expert-major order; positions past the last offset read the sink.
-        #    Every gather's backward is a gather by the inverse index (see _GatherRows).
+        #    Every gather's backward is a gather by the inverse index (see moe.dispatch.gather_rows).
         start_sx = torch.arange(G, device=device)[:, None] * B + block_start_sdx[:, me, :]
         recv_row_R, offsets_e = _expert_major_index(kept_sdx[:, me, :], start_sx, R, sink_row=R)
         used_R = recv_row_R < R
         recv_to_expert_major_R = _inverse_index(recv_row_R, used_R, R + 1, fill=R)
-        rows_RD = _GatherRows.apply(recv_RD, recv_row_R, recv_to_expert_major_R)
+        rows_RD = gather_rows(recv_RD, recv_row_R, recv_to_expert_major_R)
         handle = NoSyncHandle(
             send_row_TK=send_row_N.view(T, K),
             recv_to_expert_major_R=recv_to_expert_major_R[:R].clamp(max=R - 1),
@@ -330,11 +315,11 @@ class NoSyncDispatcher:
     def combine(self, y_RD: torch.Tensor, handle: NoSyncHandle) -> torch.Tensor:
         # 6. Reverse movement, then the weighted sum; dropped routes read the zero sink row.
         T, K = handle.send_row_TK.shape
-        y_recv_RD = _GatherRows.apply(
+        y_recv_RD = gather_rows(
             y_RD, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R
         )
         y_back_RD = self.transport.exchange(y_recv_RD)
-        y_N = _GatherRows.apply(y_back_RD, handle.send_row_TK.reshape(-1), handle.route_of_send_row_R)  # fmt: skip
+        y_N = gather_rows(y_back_RD, handle.send_row_TK.reshape(-1), handle.route_of_send_row_R)  # fmt: skip
         return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
 
     @torch.no_grad()

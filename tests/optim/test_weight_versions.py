@@ -37,9 +37,8 @@ def _check_cache_is_current(trainer: Trainer) -> None:
     assert checked == 4 * len(layers)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sharded"])
-def test_fp8_weight_cache_follows_the_optimizer_on_cpu(tmp_cache, tmp_path, optimizer):
-    config = tiny().with_overrides(
+def _config(optimizer: str, *extra: str):
+    return tiny().with_overrides(
         [
             f"train.optimizer={optimizer}",
             "precision.experts=fp8_rowwise",
@@ -48,9 +47,14 @@ def test_fp8_weight_cache_follows_the_optimizer_on_cpu(tmp_cache, tmp_path, opti
             "train.log_every=1",
             "train.lr=1e-2",
             "data.random_tokens=true",
+            *extra,
         ]
     )
-    trainer = Trainer(config, tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sharded"])
+def test_fp8_weight_cache_follows_the_optimizer_on_cpu(tmp_cache, tmp_path, optimizer):
+    trainer = Trainer(_config(optimizer), tmp_path / "run", progress=False)
     trainer.train()
     _check_cache_is_current(trainer)
 
@@ -64,19 +68,7 @@ def test_fp8_weight_cache_follows_the_optimizer_on_cpu(tmp_cache, tmp_path, opti
 def test_fp8_weight_cache_follows_the_optimizer_on_gpu(tmp_path, optimizer):
     """The users' path: bf16 parameters, the Triton AdamW (adamw) or torch's fused CUDA AdamW
     on the flat shards (sharded), real FP8 tensor-core GEMMs."""
-    config = tiny().with_overrides(
-        [
-            f"train.optimizer={optimizer}",
-            "precision.experts=fp8_rowwise",
-            f"train.steps={STEPS}",
-            "train.eval_every=0",
-            "train.log_every=1",
-            "train.lr=1e-2",
-            "data.random_tokens=true",
-            "model.d_model=128",
-            "moe.expert_hidden=64",
-        ]
-    )
+    config = _config(optimizer, "model.d_model=128", "moe.expert_hidden=64")
     trainer = Trainer(config, tmp_path / "run", device="cuda", progress=False)
     if optimizer == "adamw":
         assert trainer.optimizer.kernel == "triton"
