@@ -134,3 +134,33 @@ def test_grouped_mm_bf16_on_gpu_matches_loop():
     y, ref = grouped_mm(x, w, offs), grouped_mm_reference(x.float(), w.float(), offs)
     rel = (y.float() - ref).norm() / ref.norm()
     assert rel < 1e-2, rel
+
+
+def test_fp8_expert_training_tracks_bf16(tmp_path):
+    """FP8 row-wise expert GEMMs (tensor cores) and the FP8 dispatch payload against the bf16
+    run from the same seed on the same batches: the loss at every step within 2% (the FP8 GEMMs
+    round operands to e4m3; a stale quantized weight or a wrong scale shows as a drift far past
+    that). The cache's quantizations against fresh ones: tests/optim/test_weight_versions.py."""
+    from moetrain.train.trainer import Trainer
+
+    def losses(precision: list[str], run_dir) -> list[float]:
+        config = small().with_overrides(
+            [
+                "model.num_layers=2",
+                "train.micro_batch_size=2",
+                "data.random_tokens=true",
+                "train.eval_every=0",
+                "train.cuda_graph=false",
+                "train.lr=1e-3",
+                *precision,
+            ]
+        )
+        trainer = Trainer(config, run_dir, device="cuda", progress=False)
+        it = iter(trainer.train_loader)
+        return [trainer.train_step(it).item() for _ in range(6)]
+
+    bf16 = losses([], tmp_path / "bf16")
+    fp8 = losses(["precision.dispatch=fp8", "precision.experts=fp8_rowwise"], tmp_path / "fp8")
+    assert bf16[-1] < bf16[0]
+    for step, (a, b) in enumerate(zip(fp8, bf16, strict=True)):
+        assert abs(a - b) <= 0.02 * b, (step, a, b)
