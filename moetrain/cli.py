@@ -271,6 +271,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         progress=not args.quiet,
         overwrite=args.overwrite,
+        text_field=args.text_field,
     )
     print(f"wrote {out}")
     return 0
@@ -343,8 +344,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("prepare", help="tokenize text/JSONL files into a token directory")
-    p.add_argument("files", nargs="+", help=".txt (one document each) or .jsonl (a text field)")
+    p = sub.add_parser(
+        "prepare", help="tokenize text, JSON lines, Parquet or HF datasets into a token directory"
+    )
+    p.add_argument(
+        "files",
+        nargs="+",
+        help="files, directories or glob patterns: .txt (one document each), .jsonl/.json "
+        "(optionally .gz/.zst), .parquet, or a Hugging Face dataset saved with save_to_disk",
+    )
+    p.add_argument(
+        "--text-field", default="text", help="JSON field or column holding the text (default text)"
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--tokenizer", default="byte", help="byte, or a Hugging Face tokenizer.json")
     p.add_argument("--val-fraction", type=float, default=0.05)

@@ -30,6 +30,7 @@ from numpy.typing import ArrayLike
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
+from moetrain.data.documents import expand_inputs, read_documents, source_bytes
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 FORMAT = "moetrain-tokens"
@@ -71,80 +72,52 @@ def split_documents(
 
 
 def prepare(
-    files: list[str | Path],
+    inputs: list[str | Path],
     out_dir: str | Path,
     tokenizer: str = "byte",
     val_fraction: float = 0.05,
     progress: bool = True,
     overwrite: bool = False,
+    text_field: str = "text",
 ) -> Path:
     """Tokenize text files into a token directory at `out_dir` (see the module docstring).
 
-    A ``.txt`` file is one document (a book or an article keeps its long-range context); a
-    ``.jsonl`` file holds one document per line, in its string "text" field (blank lines and empty
-    texts are skipped). Documents are held out for val by `split_documents`, in input order.
+    `inputs` are files, directories or glob patterns (`documents.expand_inputs`). A ``.txt``
+    file is one document (a book or an article keeps its long-range context); JSON lines (plain,
+    ``.gz`` or ``.zst``), Parquet files and saved Hugging Face datasets hold one document per
+    line or row, in their string `text_field` (blank lines and empty texts are skipped).
+    Documents are held out for val by `split_documents`, in input order.
     An existing token directory at `out_dir` is replaced only with `overwrite` (the runs trained
     on it would no longer resume); other non-empty directories are never replaced.
     """
     out = Path(out_dir)
+    check_not_prepared(out, overwrite)
+    if not inputs:
+        raise ValueError("prepare needs at least one input file")
+    sources = expand_inputs(inputs)
+    check_val_fraction(val_fraction)
+    tok = load_tokenizer(tokenizer)
+    bar = _ByteProgress(progress, sum(source_bytes(p) for p in sources))
+    with bar.bar:
+        docs = (tok.encode_array(text) for text in _read_all(sources, text_field, bar))
+        out = write_token_dir(out_dir, split_documents(docs, val_fraction), tok)
+        bar.flush()
+    return out
+
+
+def check_not_prepared(out: Path, overwrite: bool) -> None:
     if not overwrite and (out / "meta.json").is_file():  # other contents: write_token_dir refuses
         raise ValueError(
             f"output directory {out} is not empty: it holds a token directory, and runs trained "
             "on it could not resume on other tokens; choose another --out, or pass --overwrite "
             "to replace it"
         )
-    paths = [Path(f) for f in files]
-    if not paths:
-        raise ValueError("prepare needs at least one input file")
-    for path in paths:
-        if not path.is_file():
-            raise ValueError(f"input file {path} does not exist")
-        if path.suffix not in (".txt", ".jsonl"):
-            raise ValueError(f"input file {path} has an unsupported type; expected .txt or .jsonl")
-    check_val_fraction(val_fraction)
-    tok = load_tokenizer(tokenizer)
-    bar = _ByteProgress(progress, sum(p.stat().st_size for p in paths))
-    with bar.bar:
-        docs = (tok.encode_array(text) for text in _read_documents(paths, bar))
-        out = write_token_dir(out_dir, split_documents(docs, val_fraction), tok)
-        bar.flush()
-    return out
 
 
-def _read_documents(paths: list[Path], bar: _ByteProgress) -> Iterator[str]:
-    for path in paths:
+def _read_all(sources: list[Path], text_field: str, bar: _ByteProgress) -> Iterator[str]:
+    for path in sources:
         bar.start_file(path)
-        if path.suffix == ".txt":
-            data = path.read_bytes()
-            bar.advance(len(data))
-            if not data.strip():
-                raise ValueError(f"input file {path} is empty")
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"input file {path} is not UTF-8 text: {exc}") from None
-            yield text
-            continue
-        num_docs = 0
-        with open(path, "rb") as f:
-            for line_no, line in enumerate(f, start=1):
-                bar.advance(len(line))
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as exc:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({exc})") from None
-                text = record.get("text") if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise ValueError(
-                        f'{path}:{line_no}: expected a JSON object with a string "text" field'
-                    )
-                if text:
-                    num_docs += 1
-                    yield text
-        if num_docs == 0:
-            raise ValueError(f'input file {path} holds no documents (no non-empty "text")')
+        yield from read_documents(path, text_field, bar.advance)
 
 
 class _ByteProgress:
