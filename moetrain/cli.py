@@ -264,6 +264,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from moetrain.data import prepare
 
+    if args.pretokenized:
+        return _prepare_pretokenized(args)
+    if not args.files:
+        raise ValueError("prepare needs input files (or --pretokenized TOKEN_FILES)")
     out = prepare(
         args.files,
         args.out,
@@ -274,6 +278,33 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         text_field=args.text_field,
     )
     print(f"wrote {out}")
+    return 0
+
+
+def _prepare_pretokenized(args: argparse.Namespace) -> int:
+    from moetrain.data.pretokenized import prepare_pretokenized
+
+    if args.files:
+        raise ValueError(
+            f"prepare: give text inputs ({' '.join(args.files)}) or --pretokenized token files, "
+            "not both"
+        )
+    needed = ("dtype", "eos_id", "vocab_size")
+    missing = ["--" + n.replace("_", "-") for n in needed if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"prepare --pretokenized needs {', '.join(missing)}")
+    if args.tokenizer != "byte" or args.text_field != "text":
+        raise ValueError("--tokenizer and --text-field do not apply to --pretokenized")
+    out = prepare_pretokenized(
+        args.pretokenized,
+        args.out,
+        dtype=args.dtype,
+        eos_id=args.eos_id,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {out} (an index of the token files; they are not copied)")
     return 0
 
 
@@ -349,13 +380,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "files",
-        nargs="+",
+        nargs="*",
         help="files, directories or glob patterns: .txt (one document each), .jsonl/.json "
         "(optionally .gz/.zst), .parquet, or a Hugging Face dataset saved with save_to_disk",
     )
     p.add_argument(
         "--text-field", default="text", help="JSON field or column holding the text (default text)"
     )
+    p.add_argument(
+        "--pretokenized",
+        nargs="+",
+        metavar="TOKEN_FILES",
+        help="index existing token files (.npy or headerless .npy/.bin memory maps; files, "
+        "directories or globs) without copying them; needs --dtype, --eos-id, --vocab-size",
+    )
+    p.add_argument("--dtype", choices=["uint16", "uint32"], help="--pretokenized: token type")
+    p.add_argument("--eos-id", type=int, help="--pretokenized: the id ending each document")
+    p.add_argument("--vocab-size", type=int, help="--pretokenized: the tokenizer's vocabulary")
     p.add_argument("--out", required=True)
     p.add_argument("--tokenizer", default="byte", help="byte, or a Hugging Face tokenizer.json")
     p.add_argument("--val-fraction", type=float, default=0.05)

@@ -189,12 +189,13 @@ class RandomTokenLoader:
 
 def open_data(
     cfg: DataConfig, vocab_size: int
-) -> tuple[np.ndarray, np.ndarray, ByteTokenizer | HFTokenizer]:
+) -> tuple[np.ndarray, np.ndarray, ByteTokenizer | HFTokenizer | None]:
     """(train tokens, val tokens, tokenizer) for a run; every id is checked to be < vocab_size.
 
     `cfg.path` None means the embedded corpus, tokenized with `cfg.tokenizer`. A prepared
     directory brings its own tokenizer: `cfg.tokenizer` may stay "byte" (the default) or name the
     same tokenizer; any other value is an error rather than silently mismatched ids.
+    A pre-tokenized corpus has no tokenizer (None).
     `cfg.random_tokens` is not looked at here: the caller builds a `RandomTokenLoader` instead.
     """
     if cfg.path is None:
@@ -255,10 +256,10 @@ def check_same_data(cfg: DataConfig, recorded: str | None, checkpoint: str | Pat
         )
 
 
-def _same_tokenizer(spec: str, recorded: str) -> bool:
+def _same_tokenizer(spec: str, recorded: str | None) -> bool:
     if spec == recorded:
         return True
-    if recorded == "byte":
+    if recorded in ("byte", None):  # None: a pre-tokenized corpus, which names no tokenizer
         return False
     paths = [Path(s) / "tokenizer.json" if Path(s).is_dir() else Path(s) for s in (spec, recorded)]
     return paths[0].resolve() == paths[1].resolve()

@@ -10,7 +10,9 @@ partial directory; both splits hold at least one document; readers memory-map th
 check them against meta.json, so a truncated or foreign file is a `ValueError` naming the file.
 `prepare` refuses a non-empty output directory unless told to overwrite it: a run trained on the
 old tokens could not resume on new ones. `fingerprint` names a directory's content, cheaply (see
-its docstring); runs record it so that a resume on changed data is an error.
+its docstring); runs record it so that a resume on changed data is an error. A pre-tokenized
+corpus (`moetrain.data.pretokenized`) is a token directory whose meta.json lists the user's
+token files instead of holding ``train.npy`` and ``val.npy``; `load_split` reads either kind.
 """
 
 from __future__ import annotations
@@ -302,6 +304,10 @@ def load_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
     if split not in SPLITS:
         raise ValueError(f"split {split!r} must be one of {', '.join(SPLITS)}")
     meta = read_meta(data_dir)
+    if "files" in meta:  # a pre-tokenized corpus: the tokens are in the user's files
+        from moetrain.data.pretokenized import open_split
+
+        return open_split(Path(data_dir), meta, split, vocab_size)
     path = Path(data_dir) / f"{split}.npy"
     if not path.is_file():
         raise ValueError(f"{path} is missing; prepare the directory again")
@@ -332,10 +338,13 @@ def load_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
     return tokens
 
 
-def load_dir_tokenizer(data_dir: str | Path) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer a token directory was written with (its own copy for Hugging Face ones)."""
+def load_dir_tokenizer(data_dir: str | Path) -> ByteTokenizer | HFTokenizer | None:
+    """The tokenizer a token directory was written with (its own copy for Hugging Face ones);
+    None for a pre-tokenized corpus, which records none."""
     data_dir = Path(data_dir)
     meta = read_meta(data_dir)
+    if meta["tokenizer"] is None:
+        return None
     copy = data_dir / "tokenizer.json"
     if meta["tokenizer"] != "byte" and copy.is_file():
         tokenizer = HFTokenizer(copy, name=meta["tokenizer"], eos_id=meta["eos_id"])
@@ -370,6 +379,9 @@ def fingerprint(data_dir: str | Path) -> str:
     meta = read_meta(data_dir)
     digest = hashlib.sha256()
     digest.update(json.dumps([meta["dtype"], meta["num_tokens"]], sort_keys=True).encode())
+    if "files" in meta:  # pre-tokenized: prepare hashed each file it indexed
+        digest.update(json.dumps([f["sha256"] for f in meta["files"]]).encode())
+        return digest.hexdigest()[:16]
     recorded = meta.get("sha256")
     if isinstance(recorded, dict) and all(isinstance(recorded.get(s), str) for s in SPLITS):
         digest.update(json.dumps([recorded[s] for s in SPLITS]).encode())
