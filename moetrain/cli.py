@@ -271,7 +271,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     out = prepare(
         args.files,
         args.out,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer or "byte",
         val_fraction=args.val_fraction,
         progress=not args.quiet,
         overwrite=args.overwrite,
@@ -293,8 +293,8 @@ def _prepare_pretokenized(args: argparse.Namespace) -> int:
     missing = ["--" + n.replace("_", "-") for n in needed if getattr(args, n) is None]
     if missing:
         raise ValueError(f"prepare --pretokenized needs {', '.join(missing)}")
-    if args.tokenizer != "byte" or args.text_field != "text":
-        raise ValueError("--tokenizer and --text-field do not apply to --pretokenized")
+    if args.text_field != "text":
+        raise ValueError("--text-field does not apply to --pretokenized")
     out = prepare_pretokenized(
         args.pretokenized,
         args.out,
@@ -303,6 +303,7 @@ def _prepare_pretokenized(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
         overwrite=args.overwrite,
+        tokenizer=args.tokenizer,
     )
     print(f"wrote {out} (an index of the token files; they are not copied)")
     return 0
@@ -398,7 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-id", type=int, help="--pretokenized: the id ending each document")
     p.add_argument("--vocab-size", type=int, help="--pretokenized: the tokenizer's vocabulary")
     p.add_argument("--out", required=True)
-    p.add_argument("--tokenizer", default="byte", help="byte, or a Hugging Face tokenizer.json")
+    p.add_argument(
+        "--tokenizer",
+        help="byte (the default), or a Hugging Face tokenizer.json; with --pretokenized, the "
+        "tokenizer the files were made with (optional: recorded so that generate can decode)",
+    )
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument(
         "--overwrite",

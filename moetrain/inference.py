@@ -50,7 +50,14 @@ def checkpoint_tokenizer(path: str | Path, config: RunConfig) -> ByteTokenizer |
             f"data.path ({config.data.path}) is not a directory from {Path.cwd()}: run from the "
             "directory it was trained in, or pass the tokenizer explicitly"
         )
-    return load_dir_tokenizer(config.data.path)
+    tokenizer = load_dir_tokenizer(config.data.path)
+    if tokenizer is None:
+        raise ValueError(
+            f"checkpoint {path} was trained on the pre-tokenized corpus {config.data.path}, "
+            "which names no tokenizer, so its ids cannot be decoded; prepare the corpus with "
+            "`moetrain prepare --pretokenized ... --tokenizer tokenizer.json` to record one"
+        )
+    return tokenizer
 
 
 @torch.no_grad()

@@ -4,7 +4,8 @@ OLMo-core, Dolma-derived and Megatron-style corpora are flat arrays of token ids
 uint32, documents separated by a known EOS id, stored as headerless memory maps (``.npy`` or
 ``.bin`` names; OLMo-core's ``.npy`` files carry no header) or as real ``.npy`` arrays.
 `prepare_pretokenized` checks such files once (every id below the stated vocabulary, the EOS id
-in it) and writes a token directory holding only ``meta.json``: the files (absolute path, byte
+in it) and writes a token directory holding only ``meta.json`` (and the tokenizer's
+``tokenizer.json`` when one is named): the files (absolute path, byte
 offset of the first token, token count, SHA-256 of the token bytes), vocabulary size, EOS id,
 dtype, and per-split token and document counts. The tokens are never copied. The files, in
 sorted order, form one stream; train is its head and val its tail from a document boundary near
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from moetrain.data.tokenizer import HFTokenizer, load_tokenizer
 from moetrain.data.tokens import (
     FORMAT,
     VERSION,
@@ -208,8 +210,15 @@ def prepare_pretokenized(
     vocab_size: int,
     val_fraction: float = 0.05,
     overwrite: bool = False,
+    tokenizer: str | None = None,
 ) -> Path:
-    """Index existing token files as a token directory at `out_dir`, without copying them."""
+    """Index existing token files as a token directory at `out_dir`, without copying them.
+
+    `tokenizer` (optional: "byte" or a Hugging Face tokenizer.json) is the one the files were
+    made with; it must have this vocabulary size and EOS id, and it is recorded (and copied) so
+    that checkpoints carry it and `moetrain generate` can decode. Without it the corpus trains
+    and evaluates, but nothing can turn ids back into text.
+    """
     out = Path(out_dir)
     check_not_prepared(out, overwrite)
     if dtype not in DTYPES:
@@ -219,6 +228,12 @@ def prepare_pretokenized(
     if not 0 <= eos_id < vocab_size:
         raise ValueError(f"--eos-id ({eos_id}) must be in [0, --vocab-size ({vocab_size}))")
     check_val_fraction(val_fraction)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if tok is not None and (tok.vocab_size, tok.eos_id) != (vocab_size, eos_id):
+        raise ValueError(
+            f"tokenizer {tokenizer} has vocab_size {tok.vocab_size} and eos_id {tok.eos_id}, "
+            f"but --vocab-size {vocab_size} and --eos-id {eos_id} were given; they must agree"
+        )
     if not inputs:
         raise ValueError("prepare --pretokenized needs at least one token file")
     token_dtype = np.dtype(dtype).newbyteorder("<")
@@ -239,7 +254,7 @@ def prepare_pretokenized(
     meta = {
         "format": FORMAT,
         "version": VERSION,
-        "tokenizer": None,
+        "tokenizer": tok.name if tok is not None else None,
         "vocab_size": vocab_size,
         "eos_id": eos_id,
         "dtype": token_dtype.name,
@@ -252,6 +267,8 @@ def prepare_pretokenized(
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex}")
     tmp.mkdir()
     try:
+        if isinstance(tok, HFTokenizer):
+            shutil.copyfile(tok.path, tmp / "tokenizer.json")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _install(tmp, out, "replace")
     except BaseException:

@@ -172,3 +172,20 @@ def test_expand_inputs_globs_directories_and_errors(tmp_path):
         expand_inputs([str(tmp_path / "*.parquet")])
     with pytest.raises(ValueError, match=r"notes\.csv has an unsupported type"):
         expand_inputs([tmp_path / "d/notes.csv"])
+
+
+def test_cli_prepare_directory_with_text_field(tmp_path, capsys):
+    from moetrain.cli import main
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.jsonl.gz").write_bytes(gzip.compress(jsonl_bytes(TEXTS, field="body")))
+    args = ["prepare", str(shards), "--out", str(tmp_path / "tok"), "--quiet"]
+    assert main(args) == 2
+    assert 'a.jsonl.gz:1: expected a JSON object with a string "text" field' in (
+        capsys.readouterr().err
+    )
+    assert main([*args, "--text-field", "body"]) == 0
+    assert sorted(all_docs(tmp_path / "tok")) == sorted(TEXTS)
+    assert main(["prepare", "--out", str(tmp_path / "x")]) == 2
+    assert "prepare needs input files" in capsys.readouterr().err

@@ -175,3 +175,48 @@ def test_cli_prepares_and_trains_tiny_on_pretokenized(tmp_path, capsys):
     assert summary["steps"] == 2
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "vocab_size: 320" in config  # 300 rounded up to a multiple of 64
+    run = str(tmp_path / "run")
+    assert main(["eval", "--checkpoint", run, "--batches", "1"]) == 0
+    assert main(["generate", "--checkpoint", run, "--prompt", "x"]) == 2
+    assert "names no tokenizer, so its ids cannot be decoded" in capsys.readouterr().err
+
+
+def test_recorded_tokenizer_lets_generate_decode(tmp_path, capsys):
+    from moetrain.data import ByteTokenizer
+
+    byte = ByteTokenizer()
+    docs = [f"def f{i}(x):\n    return x * {i}\n" for i in range(300)]
+    tokens = np.concatenate([np.append(byte.encode_array(d), byte.eos_id) for d in docs])
+    shards = write_three_layouts(tmp_path / "shards", tokens.astype(np.uint16))
+    with pytest.raises(ValueError, match=r"tokenizer byte has vocab_size 257 and eos_id 256, but"):
+        prepare_pretokenized(
+            [shards], tmp_path / "tok", dtype="uint16", eos_id=0, vocab_size=257, tokenizer="byte"
+        )
+    flags = ["--dtype", "uint16", "--eos-id", "256", "--vocab-size", "257", "--val-fraction", "0.2"]
+    out = str(tmp_path / "tok")
+    assert (
+        main(
+            ["prepare", "--pretokenized", str(shards), "--out", out, *flags, "--tokenizer", "byte"]
+        )
+        == 0
+    )
+    assert read_meta(out)["tokenizer"] == "byte"
+    run = str(tmp_path / "run")
+    train = [
+        "train",
+        "--preset",
+        "tiny",
+        "--quiet",
+        "--run-dir",
+        run,
+        "--set",
+        f"data.path={out}",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.eval_every=0",
+    ]
+    assert main(train) == 0
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", run, "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
