@@ -1,8 +1,8 @@
 """Text documents from the files a user brings to `moetrain prepare`, in a fixed order.
 
 Inputs are files, directories and glob patterns; `expand_inputs` turns them into a sorted list
-of sources (a directory is searched recursively for files of a known type, unless it is a
-Hugging Face dataset saved with `save_to_disk`, which is one source). `read_documents` yields the
+of sources (a directory is searched recursively for files of a known type, plain ``.json``
+excepted, and for Hugging Face datasets saved with `save_to_disk`, each one source). `read_documents` yields the
 text of each document: a ``.txt`` file is one document; JSON lines (``.jsonl``, ``.json``,
 optionally ``.gz`` or ``.zst`` compressed) hold one document per line in a string field;
 ``.parquet`` files and saved Hugging Face datasets hold one per row in a string column. Blank
@@ -31,8 +31,33 @@ def _suffix(path: Path) -> str | None:
     return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
 
 
+def _walked(path: Path) -> bool:
+    """Whether a directory walk takes this file: plain .json files are left to explicit naming,
+    since directories are full of metadata (a saved dataset's state.json, configs)."""
+    return _suffix(path) not in (None, ".json")
+
+
 def is_hf_dataset(path: Path) -> bool:
     return path.is_dir() and all((path / m).is_file() for m in _HF_MARKERS)
+
+
+def _walk(root: Path) -> list[Path]:
+    """The sources under a directory, sorted: saved datasets as a whole, and walked files."""
+    if (root / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in root.iterdir() if is_hf_dataset(p))
+        raise ValueError(
+            f"{root} is a saved Hugging Face DatasetDict (splits {', '.join(splits)}); give the "
+            f"directory of the split to train on, e.g. {root / (splits or ['train'])[0]}"
+        )
+    found: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        if is_hf_dataset(entry):
+            found.append(entry)
+        elif entry.is_dir():
+            found.extend(_walk(entry))
+        elif entry.is_file() and _walked(entry):
+            found.append(entry)
+    return found
 
 
 def expand_inputs(inputs: list[str | Path]) -> list[Path]:
@@ -50,7 +75,7 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
         elif is_hf_dataset(path):
             sources.append(path)
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _suffix(p))
+            found = _walk(path)
             if not found:
                 raise ValueError(
                     f"input directory {path} holds no file of a known type ({', '.join(SUFFIXES)})"

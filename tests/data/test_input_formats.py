@@ -76,6 +76,14 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     assert decoded(out, "train") + decoded(out, "val") == TEXTS[:4] + [TEXTS[4]]
     with pytest.raises(ValueError, match=r"ds has no column 'body'"):
         prepare([tmp_path / "ds"], tmp_path / "tok2", progress=False, text_field="body")
+    splits = {"train": datasets.Dataset.from_dict({"text": TEXTS})}
+    datasets.DatasetDict(splits).save_to_disk(tmp_path / "dd")
+    with pytest.raises(
+        ValueError, match=r"dd is a saved Hugging Face DatasetDict \(splits train\)"
+    ):
+        prepare([tmp_path / "dd"], tmp_path / "tok3", progress=False)
+    out = prepare([tmp_path / "dd" / "train"], tmp_path / "tok3", val_fraction=0.2, progress=False)
+    assert decoded(out, "val") == [TEXTS[4]]
 
 
 def test_formats_agree_with_plain_jsonl(tmp_path):
@@ -168,6 +176,19 @@ def test_expand_inputs_globs_directories_and_errors(tmp_path):
         tmp_path / "d/b.jsonl",
         tmp_path / "d/sub/a.jsonl.gz",
     ]
+    # A walk takes saved datasets whole and leaves plain .json (metadata) to explicit naming.
+    for rel in ("d/ds/state.json", "d/ds/dataset_info.json", "d/ds/x.arrow", "d/config.json"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("{}")
+    assert expand_inputs([tmp_path / "d"]) == [
+        tmp_path / "d/b.jsonl",
+        tmp_path / "d/ds",
+        tmp_path / "d/sub/a.jsonl.gz",
+    ]
+    assert expand_inputs([tmp_path / "d/config.json"]) == [tmp_path / "d/config.json"]
+    (tmp_path / "d/dataset_dict.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"is a saved Hugging Face DatasetDict \(splits ds\)"):
+        expand_inputs([tmp_path / "d"])
     with pytest.raises(ValueError, match=r"matches no input file"):
         expand_inputs([str(tmp_path / "*.parquet")])
     with pytest.raises(ValueError, match=r"notes\.csv has an unsupported type"):
