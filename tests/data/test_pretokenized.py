@@ -176,6 +176,9 @@ def test_cli_prepares_and_trains_tiny_on_pretokenized(tmp_path, capsys):
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "vocab_size: 320" in config  # 300 rounded up to a multiple of 64
     run = str(tmp_path / "run")
+    resume = ["train", "--resume", "--quiet", "--run-dir", run, "--set", "train.steps=3"]
+    assert main(resume) == 0  # the recorded fingerprint matches the indexed files
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
     assert main(["eval", "--checkpoint", run, "--batches", "1"]) == 0
     assert main(["generate", "--checkpoint", run, "--prompt", "x"]) == 2
     assert "names no tokenizer, so its ids cannot be decoded" in capsys.readouterr().err
