@@ -113,7 +113,11 @@ def main() -> None:
             kinds = {
                 "all_to_all (dropless)": ep_dispatch.AllToAllDispatcher(E, object()),
                 f"no_sync (cf {args.capacity})": ep_dispatch.NoSyncDispatcher(
-                    E, object(), 0, capacity_factor=args.capacity, transport=ep_dispatch.AllToAllTransport(object())  # fmt: skip
+                    E,
+                    object(),
+                    0,
+                    capacity_factor=args.capacity,
+                    transport=ep_dispatch.AllToAllTransport(object()),  # fmt: skip
                 ),
             }
             for name, dispatcher in kinds.items():

@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args()
-    print(f"| preset | layers | ep (= dp) | dispatcher | rank | measured GiB | planner GiB | planner / measured |")  # fmt: skip
+    print("| preset | layers | ep (= dp) | dispatcher | rank | measured GiB | planner GiB | planner / measured |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for ep in args.ep:
         overrides = [
@@ -69,7 +69,9 @@ def main() -> None:
             results = manager.dict()
             port = _port()
             procs = [
-                ctx.Process(target=_rank, args=(r, ep, port, overrides, args.preset, run_dir, results))  # fmt: skip
+                ctx.Process(
+                    target=_rank, args=(r, ep, port, overrides, args.preset, run_dir, results)
+                )  # fmt: skip
                 for r in range(ep)
             ]
             for p in procs:

@@ -325,7 +325,9 @@ class RunConfig:
             )
         for name, width in (("model.d_model", self.model.d_model), ("moe.expert_hidden", self.moe.expert_hidden)):  # fmt: skip
             if width % 8:  # torch._grouped_mm wants 16-byte rows: 8 bf16 or 4 fp32 elements
-                _fail(name, width, "must be a multiple of 8 (the expert GEMM's 16-byte rows in bf16)")
+                _fail(
+                    name, width, "must be a multiple of 8 (the expert GEMM's 16-byte rows in bf16)"
+                )
         if self.parallel.pp > self.model.num_layers:
             _fail(
                 "parallel.pp",

@@ -22,7 +22,9 @@ def all_gather_flat_name() -> str:
 def reduce_scatter_flat_name() -> str:
     """The name of the flat reduce-scatter in this torch."""
     return (
-        "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        "reduce_scatter_single"
+        if hasattr(dist, "reduce_scatter_single")
+        else "reduce_scatter_tensor"
     )
 
 

@@ -384,9 +384,7 @@ def check_shapes(path: Path | str, tensor_state: dict[str, Any]) -> None:
         )
 
 
-def latest(
-    root: Path | str, check_hashes: bool = True, move_corrupt: bool = False
-) -> Path | None:
+def latest(root: Path | str, check_hashes: bool = True, move_corrupt: bool = False) -> Path | None:
     """The newest checkpoint that verifies; corrupted newer ones are reported and skipped, and
     with `move_corrupt` (a resuming run's main rank) moved aside to step-N.corrupt/, so that
     rotation neither keeps them nor deletes an older good checkpoint in their favour."""
@@ -426,9 +424,7 @@ def unusable(root: Path | str) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(
-        [*list_complete(root), *root.glob(f"step-*{CORRUPT}*")], key=lambda p: p.name
-    )
+    return sorted([*list_complete(root), *root.glob(f"step-*{CORRUPT}*")], key=lambda p: p.name)
 
 
 def resolve(path: Path | str, check_hashes: bool = True) -> Path:

@@ -13,7 +13,6 @@ when the trainer logs; nothing here syncs with the host.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable
 
 import torch

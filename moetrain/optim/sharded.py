@@ -314,7 +314,9 @@ class ShardedAdamW:
             bucket.params_flat.copy_(bucket.master)
             return None
         bucket.staging.copy_(bucket.master)
-        return all_gather_flat(bucket.params_flat, bucket.staging, group=bucket.group, async_op=True)
+        return all_gather_flat(
+            bucket.params_flat, bucket.staging, group=bucket.group, async_op=True
+        )
 
     @torch.no_grad()
     def zero_grad(self) -> None:

@@ -171,9 +171,7 @@ class AllToAllDispatcher:
         return rows_RD, offsets_e, handle
 
     def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        y_recv_RD = gather_rows(
-            y_ND, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R
-        )
+        y_recv_RD = gather_rows(y_ND, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R)
         y_sorted_ND = all_to_all(y_recv_RD, self.group, handle.send_splits, handle.recv_splits)
         T, K = handle.inverse_order_TK.shape
         y_N = gather_rows(y_sorted_ND, handle.inverse_order_TK.reshape(-1), handle.order_N)
@@ -315,9 +313,7 @@ class NoSyncDispatcher:
     def combine(self, y_RD: torch.Tensor, handle: NoSyncHandle) -> torch.Tensor:
         # 6. Reverse movement, then the weighted sum; dropped routes read the zero sink row.
         T, K = handle.send_row_TK.shape
-        y_recv_RD = gather_rows(
-            y_RD, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R
-        )
+        y_recv_RD = gather_rows(y_RD, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R)
         y_back_RD = self.transport.exchange(y_recv_RD)
         y_N = gather_rows(y_back_RD, handle.send_row_TK.reshape(-1), handle.route_of_send_row_R)  # fmt: skip
         return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)

@@ -106,7 +106,11 @@ def init_distributed(config: RunConfig, device_type: str | None = None) -> Paral
     backend = resolve_backend(config, device_type, launch.world_size)
     if device_type == "cuda":
         # nccl: one GPU per local rank; gloo: local ranks share the GPUs there are
-        index = launch.local_rank if backend == "nccl" else launch.local_rank % torch.cuda.device_count()
+        index = (
+            launch.local_rank
+            if backend == "nccl"
+            else launch.local_rank % torch.cuda.device_count()
+        )
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
     else:

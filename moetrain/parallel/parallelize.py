@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from moetrain.config import RunConfig
 from moetrain.model.transformer import Transformer
 from moetrain.moe.layer import MoELayer
-from moetrain.moe.recompute import ForwardTape, recording, recomputing
+from moetrain.moe.recompute import ForwardTape, recomputing, recording
 from moetrain.parallel.comm import all_reduce_counts
 from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep

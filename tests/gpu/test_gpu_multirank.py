@@ -133,13 +133,44 @@ def _compare(losses, grads, ref_losses, ref_grads, fp32: bool) -> None:
 
 CASES = {
     # id: (preset, world, layout and precision overrides)
-    "tiny-dp2-ep2-nosync": ("tiny", 2, ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4"]),  # fmt: skip
-    "tiny-dp2-ep2-alltoall-fp8": ("tiny", 2, ["parallel.ep=2", "moe.dispatcher=all_to_all", "precision.dispatch=fp8"]),  # fmt: skip
-    "tiny-dp2-ep2-nosync-fp8": ("tiny", 2, ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4", "precision.dispatch=fp8"]),  # fmt: skip
+    "tiny-dp2-ep2-nosync": (
+        "tiny",
+        2,
+        ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4"],
+    ),  # fmt: skip
+    "tiny-dp2-ep2-alltoall-fp8": (
+        "tiny",
+        2,
+        ["parallel.ep=2", "moe.dispatcher=all_to_all", "precision.dispatch=fp8"],
+    ),  # fmt: skip
+    "tiny-dp2-ep2-nosync-fp8": (
+        "tiny",
+        2,
+        [
+            "parallel.ep=2",
+            "moe.dispatcher=no_sync",
+            "moe.capacity_factor=4",
+            "precision.dispatch=fp8",
+        ],
+    ),  # fmt: skip
     "tiny-dp2": ("tiny", 2, []),
-    "tiny-dp2-ep2-nosync-fp32": ("tiny", 2, ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4", "precision.param_dtype=fp32", "parallel.compile=false"]),  # fmt: skip
+    "tiny-dp2-ep2-nosync-fp32": (
+        "tiny",
+        2,
+        [
+            "parallel.ep=2",
+            "moe.dispatcher=no_sync",
+            "moe.capacity_factor=4",
+            "precision.param_dtype=fp32",
+            "parallel.compile=false",
+        ],
+    ),  # fmt: skip
     "tiny-dp4-ep2-alltoall": ("tiny", 4, ["parallel.ep=2", "moe.dispatcher=all_to_all"]),
-    "small-dp2-ep2-nosync": ("small", 2, ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4"]),  # fmt: skip
+    "small-dp2-ep2-nosync": (
+        "small",
+        2,
+        ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4"],
+    ),  # fmt: skip
     "small-dp4-ep4-alltoall": ("small", 4, ["parallel.ep=4", "moe.dispatcher=all_to_all"]),
 }
 _PRECISION = ("precision.dispatch=fp8", "precision.param_dtype=fp32", "parallel.compile=false")
@@ -153,13 +184,17 @@ def test_ranks_on_one_gpu_match_one_process(case, tmp_path, tmp_path_factory):
     cache = str(tmp_path_factory.getbasetemp() / "cache")
     layout = [*_base(preset, world), *overrides, "parallel.backend=gloo"]
     grads = run_distributed(_run, world, preset, layout, str(tmp_path), cache, False, True)
-    _compare(_losses(tmp_path), grads[0], ref_losses, ref_grads, "precision.param_dtype=fp32" in extra)
+    _compare(
+        _losses(tmp_path), grads[0], ref_losses, ref_grads, "precision.param_dtype=fp32" in extra
+    )
     for other in grads[1:]:  # every rank holds the same synced gradients
         for name, value in other.items():
             assert torch.equal(value, grads[0][name]), name
 
 
-def test_zero1_on_one_gpu_matches_one_process_and_resumes_in_one_process(tmp_path, tmp_path_factory):
+def test_zero1_on_one_gpu_matches_one_process_and_resumes_in_one_process(
+    tmp_path, tmp_path_factory
+):
     """ZeRO-1 (torch's fused CUDA AdamW on the flat shards) at (dp 4, ep 2) against one process,
     and its step-2 checkpoint resumed at world size 1 on the GPU."""
     preset, world = "tiny", 4

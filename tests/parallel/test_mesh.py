@@ -131,7 +131,9 @@ def test_backend_choice():
     assert resolve_backend(config, "cpu", 2) == "gloo"
     gloo = config.with_overrides(["parallel.backend=gloo"])
     assert resolve_backend(gloo, "cuda", 2) == "gloo"
-    with pytest.raises(ValueError, match=r"parallel.backend \(gloo\) on CUDA cannot run parallel.pp"):
+    with pytest.raises(
+        ValueError, match=r"parallel.backend \(gloo\) on CUDA cannot run parallel.pp"
+    ):
         resolve_backend(gloo.with_overrides(["parallel.pp=2"]), "cuda", 2)
     with pytest.raises(ValueError, match=r"parallel.backend \(nccl\) needs CUDA"):
         resolve_backend(config.with_overrides(["parallel.backend=nccl"]), "cpu", 2)
