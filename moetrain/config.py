@@ -265,10 +265,21 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataSource:
+    """One token directory of a mix and its share of the training sequences."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where tokens come from. path None: the embedded corpus."""
+    """Where tokens come from. path None and no sources: the embedded corpus."""
 
     path: str | None = None  # a directory written by `moetrain prepare`
+    # a weighted mix of token directories instead of `path`, e.g. in YAML
+    # [{path: data/a, weight: 0.7}, {path: data/b, weight: 0.3}]; weights are normalized
+    sources: tuple[DataSource, ...] = ()
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
     val_fraction: float = 0.05
     random_tokens: bool = False  # uniform random token ids (benchmarks only)
@@ -276,6 +287,20 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             _fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        if not self.sources:
+            return
+        if self.path is not None:
+            _fail(
+                "data.path", self.path, "must be null when data.sources is set (one or the other)"
+            )
+        if self.random_tokens:
+            _fail("data.random_tokens", True, "cannot be combined with data.sources")
+        paths = [s.path for s in self.sources]
+        for i, source in enumerate(self.sources):
+            if not source.weight > 0:
+                _fail(f"data.sources[{i}].weight", source.weight, "must be > 0")
+            if paths.index(source.path) != i:
+                _fail(f"data.sources[{i}].path", source.path, "is listed twice")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -527,6 +552,33 @@ def _coerce(path: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, str):
             _fail(path, value, "must be a string")
         return value
+    if origin is tuple and typing.get_args(hint)[1:] == (Ellipsis,):  # a list in YAML
+        if not isinstance(value, list | tuple):
+            _fail(path, value, "must be a list")
+        item = typing.get_args(hint)[0]
+        return tuple(_coerce(f"{path}[{i}]", item, v) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):  # a mapping in YAML
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, dict):
+            _fail(path, value, "must be a mapping")
+        names = {f.name for f in dataclasses.fields(hint)}
+        unknown = set(value) - names
+        if unknown:
+            _fail(
+                path,
+                value,
+                f"has unknown key(s) {sorted(map(str, unknown))}; allowed: {', '.join(sorted(names))}",
+            )
+        missing = [
+            f.name
+            for f in dataclasses.fields(hint)
+            if f.name not in value and f.default is dataclasses.MISSING
+        ]
+        if missing:
+            _fail(path, value, f"lacks the key(s) {', '.join(missing)}")
+        hints = typing.get_type_hints(hint)
+        return hint(**{k: _coerce(f"{path}.{k}", hints[k], v) for k, v in value.items()})
     raise AssertionError(f"unsupported config type {hint} for {path}")
 
 

@@ -42,18 +42,20 @@ def checkpoint_tokenizer(path: str | Path, config: RunConfig) -> ByteTokenizer |
     trainer_state = json.loads((path / manager.TRAINER_STATE).read_text())
     if "tokenizer" in trainer_state:
         return load_carried(path, trainer_state["tokenizer"])
-    if config.data.path is None:
+    # a mix's sources share one tokenizer (checked when the run started)
+    data_path = config.data.sources[0].path if config.data.sources else config.data.path
+    if data_path is None:
         return load_tokenizer(config.data.tokenizer)
-    if not Path(config.data.path).is_dir():
+    if not Path(data_path).is_dir():
         raise ValueError(
             f"checkpoint {path} does not carry its tokenizer (it predates that), and its "
-            f"data.path ({config.data.path}) is not a directory from {Path.cwd()}: run from the "
+            f"data directory ({data_path}) is not a directory from {Path.cwd()}: run from the "
             "directory it was trained in, or pass the tokenizer explicitly"
         )
-    tokenizer = load_dir_tokenizer(config.data.path)
+    tokenizer = load_dir_tokenizer(data_path)
     if tokenizer is None:
         raise ValueError(
-            f"checkpoint {path} was trained on the pre-tokenized corpus {config.data.path}, "
+            f"checkpoint {path} was trained on the pre-tokenized corpus {data_path}, "
             "which names no tokenizer, so its ids cannot be decoded; prepare the corpus with "
             "`moetrain prepare --pretokenized ... --tokenizer tokenizer.json` to record one"
         )

@@ -12,6 +12,7 @@ from moetrain.data.loader import (
     open_data,
     resolve_vocab_size,
 )
+from moetrain.data.mix import MixedLoader, source_labels
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from moetrain.data.tokens import (
     fingerprint,
@@ -26,6 +27,7 @@ from moetrain.data.tokens import (
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
+    "MixedLoader",
     "RandomTokenLoader",
     "SequenceLoader",
     "Tokenizer",
@@ -42,6 +44,7 @@ __all__ = [
     "prepare",
     "read_meta",
     "resolve_vocab_size",
+    "source_labels",
     "split_documents",
     "unigram_entropy",
     "write_token_dir",

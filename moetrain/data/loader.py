@@ -11,12 +11,16 @@ ints that do not depend on the rank, and resuming from it yields bitwise the sam
 `RandomTokenLoader` produces uniform random ids for benchmarks, with the same interface.
 `open_data` turns a `DataConfig` into validated train/val token arrays and their tokenizer;
 `data_fingerprint` names their content, and `check_same_data` compares it with a checkpoint's;
-`resolve_vocab_size` takes an unset model.vocab_size from the tokenizer.
+`resolve_vocab_size` takes an unset model.vocab_size from the tokenizer. With `data.sources`
+(a mix, moetrain.data.mix) `open_data` returns one array per source and every source must have
+been prepared with the same tokenizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -189,41 +193,71 @@ class RandomTokenLoader:
 
 def open_data(
     cfg: DataConfig, vocab_size: int
-) -> tuple[np.ndarray, np.ndarray, ByteTokenizer | HFTokenizer | None]:
+) -> tuple[Any, Any, ByteTokenizer | HFTokenizer | None]:
     """(train tokens, val tokens, tokenizer) for a run; every id is checked to be < vocab_size.
 
     `cfg.path` None means the embedded corpus, tokenized with `cfg.tokenizer`. A prepared
     directory brings its own tokenizer: `cfg.tokenizer` may stay "byte" (the default) or name the
     same tokenizer; any other value is an error rather than silently mismatched ids.
-    A pre-tokenized corpus has no tokenizer (None).
+    A pre-tokenized corpus has no tokenizer (None). With `cfg.sources` the train and val tokens
+    are lists with one array per source, in order.
     `cfg.random_tokens` is not looked at here: the caller builds a `RandomTokenLoader` instead.
     """
+    if cfg.sources:
+        check_same_vocabulary(cfg)
+        opened = [_open_dir(cfg, Path(s.path), vocab_size) for s in cfg.sources]
+        return [o[0] for o in opened], [o[1] for o in opened], opened[0][2]
     if cfg.path is None:
         data_dir = embedded_corpus(cfg.tokenizer, cfg.val_fraction)
-    else:
-        data_dir = Path(cfg.path)
-        recorded = read_meta(data_dir)["tokenizer"]
-        if cfg.tokenizer != "byte" and not _same_tokenizer(cfg.tokenizer, recorded):
-            raise ValueError(
-                f"data.tokenizer ({cfg.tokenizer!r}) differs from the tokenizer {data_dir} was "
-                f"prepared with ({recorded!r}); leave data.tokenizer at its default to use the "
-                "directory's tokenizer, or prepare the data again with this one"
-            )
+        return _open_dir(dataclasses.replace(cfg, tokenizer="byte"), data_dir, vocab_size)
+    return _open_dir(cfg, Path(cfg.path), vocab_size)
+
+
+def _open_dir(
+    cfg: DataConfig, data_dir: Path, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, ByteTokenizer | HFTokenizer | None]:
+    recorded = read_meta(data_dir)["tokenizer"]
+    if cfg.tokenizer != "byte" and not _same_tokenizer(cfg.tokenizer, recorded):
+        raise ValueError(
+            f"data.tokenizer ({cfg.tokenizer!r}) differs from the tokenizer {data_dir} was "
+            f"prepared with ({recorded!r}); leave data.tokenizer at its default to use the "
+            "directory's tokenizer, or prepare the data again with this one"
+        )
     tokenizer = load_dir_tokenizer(data_dir)
     train = load_split(data_dir, "train", vocab_size)
     val = load_split(data_dir, "val", vocab_size)
     return train, val, tokenizer
 
 
+def check_same_vocabulary(cfg: DataConfig) -> dict[str, Any]:
+    """The first source's meta.json; a ValueError when another source was tokenized differently
+    (its token ids would mean other things to the same model)."""
+    metas = [read_meta(s.path) for s in cfg.sources]
+    keys = ("tokenizer", "vocab_size", "eos_id")
+    first = tuple(metas[0][k] for k in keys)
+    for i, meta in enumerate(metas[1:], start=1):
+        other = tuple(meta[k] for k in keys)
+        if other != first:
+            raise ValueError(
+                f"data.sources[{i}] ({cfg.sources[i].path}) has (tokenizer, vocab_size, eos_id) "
+                f"{other} but data.sources[0] ({cfg.sources[0].path}) has {first}; every "
+                "source of a mix must be prepared with the same tokenizer"
+            )
+    return metas[0]
+
+
 def resolve_vocab_size(config: RunConfig) -> RunConfig:
     """`config` with model.vocab_size set: kept when given, else the size of the run's tokenizer
-    (that of the token directory, or data.tokenizer for the embedded corpus) rounded up to a
-    multiple of 64, the granularity at which the embedding and output GEMMs run fast."""
+    (that of the token directory or directories, or data.tokenizer for the embedded corpus)
+    rounded up to a multiple of 64, the granularity at which the embedding and output GEMMs run
+    fast."""
     if config.model.vocab_size is not None:
         return config
     if config.data.random_tokens:
         raise ValueError("model.vocab_size must be set when data.random_tokens is true")
-    if config.data.path is not None:
+    if config.data.sources:
+        size = check_same_vocabulary(config.data)["vocab_size"]
+    elif config.data.path is not None:
         size = read_meta(config.data.path)["vocab_size"]
     else:
         size = load_tokenizer(config.data.tokenizer).vocab_size
@@ -232,9 +266,13 @@ def resolve_vocab_size(config: RunConfig) -> RunConfig:
 
 
 def data_fingerprint(cfg: DataConfig) -> str | None:
-    """The content hash of the run's tokens (`tokens.fingerprint`); None for random tokens."""
+    """The content hash of the run's tokens (`tokens.fingerprint`; for a mix, a hash of its
+    sources' in order); None for random tokens."""
     if cfg.random_tokens:
         return None
+    if cfg.sources:
+        parts = [fingerprint(s.path) for s in cfg.sources]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     if cfg.path is None:
         return fingerprint(embedded_corpus(cfg.tokenizer, cfg.val_fraction))
     return fingerprint(cfg.path)
@@ -247,7 +285,12 @@ def check_same_data(cfg: DataConfig, recorded: str | None, checkpoint: str | Pat
         return
     current = data_fingerprint(cfg)
     if current != recorded:
-        where = f"data.path ({cfg.path})" if cfg.path is not None else "the embedded corpus"
+        if cfg.sources:
+            where = f"data.sources ({', '.join(s.path for s in cfg.sources)})"
+        elif cfg.path is not None:
+            where = f"data.path ({cfg.path})"
+        else:
+            where = "the embedded corpus"
         raise ValueError(
             f"the data changed since checkpoint {checkpoint} was saved: {where} has content "
             f"hash {current}, the checkpoint was trained on {recorded}; restore the original "

@@ -251,8 +251,9 @@ class TensorBoardWriter:
 
     Needs the `tensorboard` package; without it, it logs one info message and every `write` is a
     no-op (`enabled` is False). Missing or None values are skipped.
-    Tags: loss/train, loss/val, aux/*, optim/*, perf/*, and moe/{layer}/{max_mean, cv,
-    zero_frac, entropy, lb_loss, drop_frac}.
+    Tags: loss/train, loss/val, aux/*, optim/*, perf/*, moe/{layer}/{max_mean, cv,
+    zero_frac, entropy, lb_loss, drop_frac}, and for a mix data/tokens/* and loss/val/*
+    (`scalar_tags`).
     """
 
     def __init__(self, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
@@ -272,11 +273,8 @@ class TensorBoardWriter:
         if self._writer is None:
             return
         step = int(record["step"])
-        for key, tag in _TB_TAGS.items():
-            self._scalar(tag, record.get(key), step)
-        for layer in record.get("moe") or ():
-            for key in _TB_MOE_KEYS:
-                self._scalar(f"moe/{layer['layer']}/{key}", layer.get(key), step)
+        for tag, value in scalar_tags(record).items():
+            self._writer.add_scalar(tag, value, step)
         self._writer.flush()  # once per log line: TensorBoard shows the run as it goes
 
     def close(self) -> None:
@@ -284,9 +282,23 @@ class TensorBoardWriter:
             self._writer.close()
             self._writer = None
 
-    def _scalar(self, tag: str, value: Any, step: int) -> None:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            self._writer.add_scalar(tag, value, step)
+
+def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
+    """The scalars of a train/eval record under their TensorBoard (and W&B) tags; missing and
+    None values are left out. A mix adds data/tokens/{source} and loss/val/{source}."""
+    tags: dict[str, Any] = {tag: record.get(key) for key, tag in _TB_TAGS.items()}
+    for layer in record.get("moe") or ():
+        for key in _TB_MOE_KEYS:
+            tags[f"moe/{layer['layer']}/{key}"] = layer.get(key)
+    for source, tokens in (record.get("tokens_per_source") or {}).items():
+        tags[f"data/tokens/{source}"] = tokens
+    for source, loss in (record.get("val_loss_per_source") or {}).items():
+        tags[f"loss/val/{source}"] = loss
+    return {
+        tag: value
+        for tag, value in tags.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
 
 
 def _to_numpy(values: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:

@@ -32,12 +32,14 @@ from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
 from moetrain.config_resume import check_resumable
 from moetrain.data import (
+    MixedLoader,
     RandomTokenLoader,
     SequenceLoader,
     check_same_data,
     data_fingerprint,
     open_data,
     resolve_vocab_size,
+    source_labels,
 )
 from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.flops import flops_per_token
@@ -208,8 +210,17 @@ class Trainer:
             return make(t.seed), make(t.seed + 1), None
         train_tokens, val_tokens, tokenizer = open_data(cfg.data, cfg.model.vocab_size)
         common = dict(rank=d.dp_rank, world_size=d.dp, device=self.device)
-        train = SequenceLoader(train_tokens, t.seq_len, t.micro_batch_size, seed=t.seed, **common)
-        val = SequenceLoader(val_tokens, t.seq_len, t.micro_batch_size, seed=t.seed, **common)
+        shape = (t.seq_len, t.micro_batch_size)
+        if cfg.data.sources:  # a mix: one val loader per source, evaluated one by one
+            weights = [s.weight for s in cfg.data.sources]
+            train = MixedLoader(train_tokens, weights, *shape, seed=t.seed, **common)
+            val = {
+                label: SequenceLoader(tokens, *shape, seed=t.seed, **common)
+                for label, tokens in zip(source_labels(cfg.data), val_tokens, strict=True)
+            }
+            return train, val, tokenizer
+        train = SequenceLoader(train_tokens, *shape, seed=t.seed, **common)
+        val = SequenceLoader(val_tokens, *shape, seed=t.seed, **common)
         return train, val, tokenizer
 
     # ------------------------------------------------------------------ loop
@@ -397,6 +408,10 @@ class Trainer:
         }
         for i, value in utilization.items():
             record["moe"][i]["buffer_utilization"] = float(value)
+        if isinstance(self.train_loader, MixedLoader):  # the counts are global, equal on all ranks
+            tokens = self.train_loader.tokens_per_source()
+            labels = source_labels(self.config.data)
+            record["tokens_per_source"] = dict(zip(labels, tokens, strict=True))
         record["lb_loss"] = _mean([layer["lb_loss"] for layer in record["moe"]])
         record["z_loss"] = _mean([layer["z_loss"] for layer in record["moe"]])
         for layer in record["moe"]:
@@ -421,21 +436,36 @@ class Trainer:
         return record["loss"]
 
     def _evaluate(self) -> float:
-        if self.pipeline is not None:
-            loss = self.pipeline.evaluate(iter(self.val_loader), self.config.train.eval_batches)
+        """Mean loss over eval_batches of val; for a mix, each source's and their weighted mean
+        (val_loss: the loss of the mix the run trains on)."""
+        if not isinstance(self.val_loader, dict):
+            value = self._val_loss(self.val_loader)
+            record = {"kind": "eval", "step": self.step, "val_loss": value}
         else:
-            loss = train_step.evaluate(
-                self.model, iter(self.val_loader), self.config.train.eval_batches
-            )
-        if self.dims.world_size > 1:
-            all_reduce_stats([loss], self.dims)
-            loss = loss / self.dims.dp
-        value = loss.item()
-        record = {"kind": "eval", "step": self.step, "val_loss": value}
+            per_source = {label: self._val_loss(v) for label, v in self.val_loader.items()}
+            weights = [s.weight for s in self.config.data.sources]
+            mixed = sum(w * v for w, v in zip(weights, per_source.values(), strict=True))
+            value = mixed / sum(weights)
+            record = {
+                "kind": "eval",
+                "step": self.step,
+                "val_loss": value,
+                "val_loss_per_source": per_source,
+            }
         if self.is_main:
             self.metrics.write(record)
             self.console.update(self.step, record)
         return value
+
+    def _val_loss(self, loader) -> float:
+        if self.pipeline is not None:
+            loss = self.pipeline.evaluate(iter(loader), self.config.train.eval_batches)
+        else:
+            loss = train_step.evaluate(self.model, iter(loader), self.config.train.eval_batches)
+        if self.dims.world_size > 1:
+            all_reduce_stats([loss], self.dims)
+            loss = loss / self.dims.dp
+        return loss.item()
 
     # ------------------------------------------------------------------ checkpoints
     def tensor_state(self) -> dict[str, Any]:

@@ -74,6 +74,43 @@ def test_resume_is_bitwise(tmp_cache, tmp_path):
         assert torch.equal(p, q), name
 
 
+def _two_sources(tmp_path: Path) -> str:
+    """Two small byte-level token directories, as a data.sources override (70/30)."""
+    from moetrain.data import prepare
+
+    paths = []
+    for name, word in (("web", "the quick brown fox"), ("code", "def f(x): return x + 1")):
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": f"{word} {i} " * 40}) + "\n" for i in range(40)))
+        paths.append(prepare([src], tmp_path / name, progress=False))
+    return f"data.sources=[{{path: {paths[0]}, weight: 0.7}}, {{path: {paths[1]}, weight: 0.3}}]"
+
+
+def test_resume_is_bitwise_on_a_two_source_mix(tmp_path):
+    mix = _two_sources(tmp_path)
+    common = (mix, "train.checkpoint_every=4", "train.eval_every=4", "train.eval_batches=1")
+    Trainer(_cfg("train.steps=8", *common), tmp_path / "full", progress=False).train()
+    Trainer(_cfg("train.steps=4", *common), tmp_path / "part", progress=False).train()
+    Trainer(_cfg("train.steps=8", *common), tmp_path / "part", resume=True, progress=False).train()
+    full, part = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
+    assert [full[s] for s in (6, 8)] == [part[s] for s in (6, 8)]
+    records = {}
+    for run in ("full", "part"):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        records[run] = [json.loads(x) for x in lines]
+    last = {run: [r for r in rs if r["kind"] == "train"][-1] for run, rs in records.items()}
+    tokens = last["full"]["tokens_per_source"]
+    assert tokens == last["part"]["tokens_per_source"]
+    seq_len, sequences = 64, 8 * 8  # tiny: seq_len 64, micro-batch 8; 8 steps
+    assert sum(tokens.values()) == sequences * seq_len
+    assert abs(tokens["web"] - 0.7 * sequences * seq_len) <= seq_len
+    evals = [r for r in records["full"] if r["kind"] == "eval"]
+    assert len(evals) == 2 and set(evals[-1]["val_loss_per_source"]) == {"web", "code"}
+    per_source = evals[-1]["val_loss_per_source"]
+    mixed = 0.7 * per_source["web"] + 0.3 * per_source["code"]
+    assert evals[-1]["val_loss"] == pytest.approx(mixed)
+
+
 def test_resume_is_bitwise_with_random_routing(tmp_cache, tmp_path):
     """The random-routing draw counter travels in the checkpoint, so experts are redrawn alike."""
     common = ("train.steps=8", "train.checkpoint_every=4", "moe.routing=random")
