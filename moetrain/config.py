@@ -219,6 +219,9 @@ class TrainConfig:
     # spike_window applied steps (once that many exist); 0 disables
     spike_sigma: float = 0.0
     spike_window: int = 50
+    # log the metrics to this Weights & Biases project too (the optional wandb package); offline
+    # without an API key. None: off
+    wandb_project: str | None = None
 
     def __post_init__(self) -> None:
         s = "train"

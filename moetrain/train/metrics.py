@@ -1,4 +1,5 @@
-"""Throughput, FLOP and memory accounting, and where metrics go: console, JSONL, TensorBoard.
+"""Throughput, FLOP and memory accounting, and where metrics go: console, JSONL, TensorBoard,
+and Weights & Biases when the run asks for it (train/wandb_log.py).
 
 Values arrive as device tensors at the log cadence and are read once there. MFU uses the
 model FLOPs of moetrain.model.flops against the datasheet dense BF16 peak of the GPU.
@@ -76,13 +77,15 @@ class Throughput:
 
 class MetricsSink:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl (flushed each line, so a crash
-    loses at most the line being written) and mirrors records to TensorBoard when available."""
+    loses at most the line being written) and mirrors records to TensorBoard when available and
+    to `wandb` (a `WandbWriter`) when given."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+    def __init__(self, run_dir: Path, enabled: bool = True, wandb: Any = None) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self._file = None
         self._tb = None
+        self._wandb = wandb if enabled else None
         if enabled:
             # A crash may have cut the last line short; start ours on a fresh line.
             if self.path.exists() and self.path.stat().st_size:
@@ -103,6 +106,8 @@ class MetricsSink:
         self._file.flush()
         if self._tb is not None:
             self._tb.write(record)
+        if self._wandb is not None:
+            self._wandb.write(record)
 
     def close(self) -> None:
         if self._file is not None:
@@ -111,6 +116,9 @@ class MetricsSink:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 class Console:

@@ -63,6 +63,7 @@ from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory
 from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
 from moetrain.train.run_lock import RunDirLocked, RunLock
 from moetrain.train.spike import LossSpikeDetector
+from moetrain.train.wandb_log import WandbWriter, import_wandb
 
 
 class TrainingStopped(RuntimeError):
@@ -82,6 +83,8 @@ class Trainer:
         overwrite: bool = False,
     ) -> None:
         config = resolve_vocab_size(config)  # unset: from the tokenizer
+        if config.train.wandb_project is not None:  # a missing package fails now, not at step 1
+            import_wandb(config.train.wandb_project)
         self.config = config
         self.dims: ParallelDims = init_distributed(config, device)
         self.device = self.dims.device
@@ -162,7 +165,10 @@ class Trainer:
             config.save_yaml(self.run_dir / "config.yaml")
 
         self.console = Console(t.steps, self.step, enabled=progress and self.is_main)
-        self.metrics = MetricsSink(self.run_dir, enabled=self.is_main)
+        wandb = None
+        if self.is_main and t.wandb_project is not None:
+            wandb = WandbWriter(self.run_dir, t.wandb_project, config.name, config.to_dict())
+        self.metrics = MetricsSink(self.run_dir, enabled=self.is_main, wandb=wandb)
         self.throughput = Throughput(flops_per_token(config), self.device)
         self.gaming = TokenGamingDetector()
 
