@@ -148,7 +148,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from moetrain.checkpoint import manager
-    from moetrain.data import SequenceLoader, check_same_data, open_data
+    from moetrain.data import SequenceLoader, check_same_data, open_data, source_labels
     from moetrain.inference import load_model
     from moetrain.train.step import evaluate
 
@@ -160,21 +160,30 @@ def cmd_eval(args: argparse.Namespace) -> int:
     trainer_state = json.loads((path / manager.TRAINER_STATE).read_text())
     check_same_data(config.data, trainer_state.get("data_fingerprint"), path)
     _, val_tokens, _ = open_data(config.data, config.model.vocab_size)
-    loader = SequenceLoader(
-        val_tokens,
-        config.train.seq_len,
-        config.train.micro_batch_size,
-        seed=config.train.seed,
-        device=next(model.parameters()).device,
-    )
-    n = min(args.batches, loader.batches_per_epoch)
-    loss = evaluate(model, iter(loader), n).item()
+    if config.data.sources:  # a mix: each source's val split, and their weighted mean
+        splits = dict(zip(source_labels(config.data), val_tokens, strict=True))
+        weights = [s.weight for s in config.data.sources]
+    else:
+        splits, weights = {"val": val_tokens}, [1.0]
+    losses, batches = {}, []
+    for label, tokens in splits.items():
+        loader = SequenceLoader(
+            tokens,
+            config.train.seq_len,
+            config.train.micro_batch_size,
+            seed=config.train.seed,
+            device=next(model.parameters()).device,
+        )
+        batches.append(min(args.batches, loader.batches_per_epoch))
+        losses[label] = evaluate(model, iter(loader), batches[-1]).item()
+    loss = sum(w * v for w, v in zip(weights, losses.values(), strict=True)) / sum(weights)
     result = {
         "checkpoint": str(path),
         "step": trainer_state.get("step"),
         "val_loss": loss,
-        "batches": n,
+        "batches": min(batches),
         "perplexity": float(torch.exp(torch.tensor(loss))),
+        **({"val_loss_per_source": losses} if config.data.sources else {}),
     }
     print(json.dumps(result))
     return 0

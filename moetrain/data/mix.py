@@ -61,8 +61,8 @@ class MixedLoader:
         for i, n in enumerate(self.num_windows):
             if n == 0:
                 raise ValueError(
-                    f"source {i} holds {len(sources[i])} tokens, not one window of seq_len + 1 "
-                    f"= {seq_len + 1}; use a smaller seq_len or more data"
+                    f"data.sources[{i}] holds {len(sources[i])} train tokens, not one window of "
+                    f"seq_len + 1 = {seq_len + 1}; use a smaller seq_len or more data"
                 )
         self._offsets_S1 = np.arange(seq_len + 1)
         self.epochs = [0] * len(sources)

@@ -220,10 +220,14 @@ class Trainer:
         if cfg.data.sources:  # a mix: one val loader per source, evaluated one by one
             weights = [s.weight for s in cfg.data.sources]
             train = MixedLoader(train_tokens, weights, *shape, seed=t.seed, **common)
-            val = {
-                label: SequenceLoader(tokens, *shape, seed=t.seed, **common)
-                for label, tokens in zip(source_labels(cfg.data), val_tokens, strict=True)
-            }
+            val = {}
+            labels = source_labels(cfg.data)
+            for i, (label, tokens) in enumerate(zip(labels, val_tokens, strict=True)):
+                try:
+                    val[label] = SequenceLoader(tokens, *shape, seed=t.seed, **common)
+                except ValueError as exc:
+                    where = f"data.sources[{i}] ({cfg.data.sources[i].path})"
+                    raise ValueError(f"the val split of {where}: {exc}") from None
             return train, val, tokenizer
         train = SequenceLoader(train_tokens, *shape, seed=t.seed, **common)
         val = SequenceLoader(val_tokens, *shape, seed=t.seed, **common)

@@ -105,3 +105,9 @@ def test_config_rejects_bad_mixes():
         DataConfig(sources=(DataSource(path="a"), DataSource(path="a")))
     cfg = tiny().with_overrides(["data.sources=[{path: a, weight: 0.7}, {path: b, weight: 0.3}]"])
     assert cfg.data.sources == (DataSource(path="a", weight=0.7), DataSource(path="b", weight=0.3))
+
+
+def test_a_source_shorter_than_one_window_is_named():
+    short = [np.arange(SEQ * 4 + 1, dtype=np.uint32), np.arange(SEQ, dtype=np.uint32)]
+    with pytest.raises(ValueError, match=r"data.sources\[1\] holds 8 train tokens"):
+        MixedLoader(short, [1, 1], SEQ, 2, seed=0)

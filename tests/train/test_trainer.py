@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetrain.cli import main
 from moetrain.presets import tiny
 from moetrain.train.trainer import Trainer, TrainingStopped
 
@@ -86,7 +87,7 @@ def _two_sources(tmp_path: Path) -> str:
     return f"data.sources=[{{path: {paths[0]}, weight: 0.7}}, {{path: {paths[1]}, weight: 0.3}}]"
 
 
-def test_resume_is_bitwise_on_a_two_source_mix(tmp_path):
+def test_resume_is_bitwise_on_a_two_source_mix(tmp_path, capsys):
     mix = _two_sources(tmp_path)
     common = (mix, "train.checkpoint_every=4", "train.eval_every=4", "train.eval_batches=1")
     Trainer(_cfg("train.steps=8", *common), tmp_path / "full", progress=False).train()
@@ -109,6 +110,9 @@ def test_resume_is_bitwise_on_a_two_source_mix(tmp_path):
     per_source = evals[-1]["val_loss_per_source"]
     mixed = 0.7 * per_source["web"] + 0.3 * per_source["code"]
     assert evals[-1]["val_loss"] == pytest.approx(mixed)
+    assert main(["eval", "--checkpoint", str(tmp_path / "full"), "--batches", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["val_loss_per_source"]) == {"web", "code"} and result["step"] == 8
 
 
 def test_resume_is_bitwise_with_random_routing(tmp_cache, tmp_path):
