@@ -9,6 +9,7 @@ Triton kernels on CPU: a file marks its interpreter tests `interpreted` and runs
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -164,3 +165,15 @@ def assert_within(actual, expected, scale, dtype, ulps: float = 1.0, rel: float 
     err = (a - e).abs()
     worst = (err - bound).max().item() if err.numel() else 0.0
     assert worst <= 0, f"error exceeds its bound by {worst:.3g} (max error {err.max().item():.3g})"
+
+
+def two_source_mix(tmp_path: Path) -> str:
+    """Two small byte-level token directories, as a data.sources override (70/30)."""
+    from moetrain.data import prepare
+
+    paths = []
+    for name, word in (("web", "the quick brown fox"), ("code", "def f(x): return x + 1")):
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": f"{word} {i} " * 40}) + "\n" for i in range(40)))
+        paths.append(prepare([src], tmp_path / name, progress=False))
+    return f"data.sources=[{{path: {paths[0]}, weight: 0.7}}, {{path: {paths[1]}, weight: 0.3}}]"

@@ -13,8 +13,9 @@ Contents: `routing_summary` (one layer's load statistics), `summarize_moe_stats`
 
 metrics.jsonl holds one JSON object per line, appended by the trainer:
     {"kind": "train", "step", "loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
-     "tflops", "mfu", "peak_mem_gib", "skipped_steps", "moe": [{"layer": int, **routing_summary}]}
-    {"kind": "eval", "step", "val_loss"}
+     "tflops", "mfu", "peak_mem_gib", "skipped_steps", "moe": [{"layer": int, **routing_summary}],
+     "tokens_per_source": {source: int} (a mix of data.sources only)}
+    {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix only)}
 """
 
 from __future__ import annotations

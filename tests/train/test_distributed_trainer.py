@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_distributed
+from conftest import run_distributed, two_source_mix
 
 from moetrain.presets import tiny
 
@@ -158,3 +158,26 @@ def test_checkpoint_reshards_between_layouts(tmp_path):
                 resumed[step],
                 reference[step],
             )
+
+
+def _train_mix(rank, world, run_dir, cache, mix):
+    os.environ["MOETRAIN_CACHE"] = cache
+    from moetrain.train.trainer import Trainer
+
+    overrides = [*_layout_overrides(world, 1), "train.checkpoint_every=0", mix]
+    Trainer(tiny().with_overrides(overrides), run_dir, progress=False).train()
+
+
+def test_two_ranks_read_the_mix_one_process_reads(tmp_path):
+    """Each rank takes its slice of the global batch of a data.sources mix; together they train
+    on the same sequences, and count the same tokens per source, as one process."""
+    cache, mix = str(tmp_path / "cache"), two_source_mix(tmp_path)
+    run_distributed(_train_mix, 2, str(tmp_path / "two"), cache, mix)
+    _train_mix(0, 1, str(tmp_path / "one"), cache, mix)
+    records = {}
+    for run in ("one", "two"):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        records[run] = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    for one, two in zip(records["one"], records["two"], strict=True):
+        assert abs(one["loss"] - two["loss"]) <= 1e-6 * abs(one["loss"]), (one["step"], one, two)
+        assert one["tokens_per_source"] == two["tokens_per_source"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import two_source_mix
 
 from moetrain.cli import main
 from moetrain.presets import tiny
@@ -75,20 +76,8 @@ def test_resume_is_bitwise(tmp_cache, tmp_path):
         assert torch.equal(p, q), name
 
 
-def _two_sources(tmp_path: Path) -> str:
-    """Two small byte-level token directories, as a data.sources override (70/30)."""
-    from moetrain.data import prepare
-
-    paths = []
-    for name, word in (("web", "the quick brown fox"), ("code", "def f(x): return x + 1")):
-        src = tmp_path / f"{name}.jsonl"
-        src.write_text("".join(json.dumps({"text": f"{word} {i} " * 40}) + "\n" for i in range(40)))
-        paths.append(prepare([src], tmp_path / name, progress=False))
-    return f"data.sources=[{{path: {paths[0]}, weight: 0.7}}, {{path: {paths[1]}, weight: 0.3}}]"
-
-
 def test_resume_is_bitwise_on_a_two_source_mix(tmp_path, capsys):
-    mix = _two_sources(tmp_path)
+    mix = two_source_mix(tmp_path)
     common = (mix, "train.checkpoint_every=4", "train.eval_every=4", "train.eval_batches=1")
     Trainer(_cfg("train.steps=8", *common), tmp_path / "full", progress=False).train()
     Trainer(_cfg("train.steps=4", *common), tmp_path / "part", progress=False).train()
