@@ -8,7 +8,8 @@ batched by this micro-batch size and shuffled with this seed). A resume that cha
 the run's length and schedule, the cadences of logging, evaluation and checkpoints, the optimizer's
 hyperparameters, the parallel layout (checkpoints hold global tensors), kernels and precision of
 the expert GEMMs. `data.path` may change too (a token directory that moved): the tokens' content
-hash, recorded in every checkpoint, catches different data under any path. This module does not
+hash, recorded in every checkpoint, catches different data under any path; so may the paths of
+`data.sources` (a mix), as long as their number, order and weights stay. This module does not
 import torch.
 """
 
@@ -65,6 +66,8 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
     printable lines ("train.steps: 50 -> 100")."""
     changes = differences(saved, new)
     for key, old, value in changes:
+        if key == "data.sources" and _weights(old) == _weights(value):
+            continue  # moved directories: the content hash still catches other data
         if is_frozen(key):
             raise ValueError(
                 f"{key} cannot change on --resume ({old!r} in {source}, {value!r} now): the "
@@ -72,6 +75,10 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
                 "new run (another --run-dir, or --init-from the checkpoint for its weights)"
             )
     return [f"{key}: {old!r} -> {value!r}" for key, old, value in changes]
+
+
+def _weights(sources: list[dict[str, Any]]) -> list[float]:
+    return [s["weight"] for s in sources]
 
 
 def resume_config(

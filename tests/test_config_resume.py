@@ -28,6 +28,17 @@ def test_frozen_and_free_fields():
         )
 
 
+def test_a_mix_may_move_but_not_reweigh():
+    saved = tiny().with_overrides(["data.sources=[{path: a, weight: 0.7}, {path: b, weight: 0.3}]"])
+    moved = saved.with_overrides(
+        ["data.sources=[{path: x/a, weight: 0.7}, {path: b, weight: 0.3}]"]
+    )
+    assert len(check_resumable(saved, moved, "c.yaml")) == 1
+    for other in ("[{path: a, weight: 0.5}, {path: b, weight: 0.5}]", "[{path: a, weight: 0.7}]"):
+        with pytest.raises(ValueError, match=r"data\.sources cannot change on --resume"):
+            check_resumable(saved, saved.with_overrides([f"data.sources={other}"]), "c.yaml")
+
+
 def test_resume_rebuilds_the_config_from_the_run(tmp_cache, tmp_path, capsys):
     run = tmp_path / "run"
     first = ["train", "--preset", "tiny", "--quiet", "--run-dir", str(run)]
