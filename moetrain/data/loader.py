@@ -234,16 +234,28 @@ def check_same_vocabulary(cfg: DataConfig) -> dict[str, Any]:
     (its token ids would mean other things to the same model)."""
     metas = [read_meta(s.path) for s in cfg.sources]
     keys = ("tokenizer", "vocab_size", "eos_id")
-    first = tuple(metas[0][k] for k in keys)
+    identities = [_vocabulary(s.path, meta) for s, meta in zip(cfg.sources, metas, strict=True)]
     for i, meta in enumerate(metas[1:], start=1):
-        other = tuple(meta[k] for k in keys)
-        if other != first:
+        if identities[i] != identities[0]:
             raise ValueError(
                 f"data.sources[{i}] ({cfg.sources[i].path}) has (tokenizer, vocab_size, eos_id) "
-                f"{other} but data.sources[0] ({cfg.sources[0].path}) has {first}; every "
-                "source of a mix must be prepared with the same tokenizer"
+                f"{tuple(meta[k] for k in keys)} but data.sources[0] ({cfg.sources[0].path}) has "
+                f"{tuple(metas[0][k] for k in keys)}; every source of a mix must be prepared "
+                "with the same tokenizer"
             )
     return metas[0]
+
+
+def _vocabulary(data_dir: str, meta: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes token ids mean the same: a Hugging Face tokenizer by its file's content (the
+    copy in the directory; the same file may have been named by different paths), others by
+    name; and the vocabulary size and EOS id."""
+    copy = Path(data_dir) / "tokenizer.json"
+    if meta["tokenizer"] not in ("byte", None) and copy.is_file():
+        tokenizer = hashlib.sha256(copy.read_bytes()).hexdigest()
+    else:
+        tokenizer = meta["tokenizer"]
+    return tokenizer, meta["vocab_size"], meta["eos_id"]
 
 
 def resolve_vocab_size(config: RunConfig) -> RunConfig:

@@ -111,3 +111,25 @@ def test_a_source_shorter_than_one_window_is_named():
     short = [np.arange(SEQ * 4 + 1, dtype=np.uint32), np.arange(SEQ, dtype=np.uint32)]
     with pytest.raises(ValueError, match=r"data.sources\[1\] holds 8 train tokens"):
         MixedLoader(short, [1, 1], SEQ, 2, seed=0)
+
+
+def test_one_hugging_face_tokenizer_under_two_paths_is_the_same(tmp_path):
+    pytest.importorskip("tokenizers")
+    from test_tokenizer import train_bpe
+
+    texts = [f"the quick brown fox {i} " * 5 for i in range(20)]
+    first = train_bpe(tmp_path / "tok.json", texts)
+    (tmp_path / "copy").mkdir()
+    second = tmp_path / "copy" / "tok.json"
+    second.write_bytes(first.read_bytes())
+    other = train_bpe(tmp_path / "other.json", ["zebra yak " * 9 + str(i) for i in range(20)])
+    dirs = []
+    for name, tok in (("a", first), ("b", second), ("c", other)):
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text("".join(f'{{"text": "{t}"}}\n' for t in texts))
+        dirs.append(str(prepare([src], tmp_path / name, tokenizer=str(tok), progress=False)))
+    same = DataConfig(sources=(DataSource(path=dirs[0]), DataSource(path=dirs[1])))
+    assert len(open_data(same, 1 << 16)[0]) == 2
+    differ = DataConfig(sources=(DataSource(path=dirs[0]), DataSource(path=dirs[2])))
+    with pytest.raises(ValueError, match=r"data.sources\[1\].*same tokenizer"):
+        open_data(differ, 1 << 16)
