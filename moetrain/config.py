@@ -181,6 +181,11 @@ class ParallelConfig:
         _choice(s, self, "data_parallel", ("ddp", "fsdp"))
         _choice(s, self, "activation_checkpointing", ("none", "moe", "full"))
 
+    def compiles(self, device_type: str) -> bool:
+        """Whether blocks are compiled on this device: `compile`, where None means on for CUDA
+        and off elsewhere (on the CPU compile time dwarfs the gain for the models run there)."""
+        return self.compile if self.compile is not None else device_type == "cuda"
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:

@@ -19,23 +19,20 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moetrain.data.tokenizer import HFTokenizer, load_tokenizer
+from moetrain.data.tokenizer import load_tokenizer
 from moetrain.data.tokens import (
     FORMAT,
     VERSION,
     _check_destination,
-    _install,
     check_not_prepared,
     check_val_fraction,
+    install_token_dir,
 )
 
 SUFFIXES = (".npy", ".bin")
@@ -263,18 +260,7 @@ def prepare_pretokenized(
         "files": files,
     }
     _check_destination(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex}")
-    tmp.mkdir()
-    try:
-        if isinstance(tok, HFTokenizer):
-            shutil.copyfile(tok.path, tmp / "tokenizer.json")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _install(tmp, out, "replace")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return install_token_dir(out, lambda tmp: meta, tok)
 
 
 def is_pretokenized(meta: dict[str, Any]) -> bool:

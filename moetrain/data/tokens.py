@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -161,11 +161,25 @@ def write_token_dir(
     out_dir = Path(out_dir)
     if _check_destination(out_dir) and if_exists == "keep":
         return out_dir
+    return install_token_dir(
+        out_dir, lambda tmp: _write_splits(tmp, documents, tokenizer), tokenizer, if_exists
+    )
+
+
+def install_token_dir(
+    out_dir: Path,
+    write: Callable[[Path], dict[str, Any]],
+    tokenizer: ByteTokenizer | HFTokenizer | None,
+    if_exists: Literal["replace", "keep"] = "replace",
+) -> Path:
+    """Build a token directory atomically: `write(tmp)` fills a fresh sibling directory and
+    returns its meta; the tokenizer's file and meta.json go beside it; then it is renamed into
+    place (`_install`). On any error the partial directory is removed and nothing is left."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex}")
     tmp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would end up on the finished directory
     try:
-        meta = _write_splits(tmp, documents, tokenizer)
+        meta = write(tmp)
         if isinstance(tokenizer, HFTokenizer):
             shutil.copyfile(tokenizer.path, tmp / "tokenizer.json")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -289,22 +289,23 @@ class NoSyncDispatcher:
         send_row_N = torch.where(keep_N, send_row_N, R)
         # 4. Move: write routes into their blocks (padding rows carry token 0; nobody reads them
         #    and their gradient is zero), exchange fixed blocks.
-        token_of_row_R = _inverse_index(send_row_N, keep_N, R) // K
+        route_of_row_R = _inverse_index(send_row_N, keep_N, R + 1, fill=T * K)  # row R: sink
+        used_rows_R = route_of_row_R[:R] < T * K
+        token_of_row_R = torch.where(used_rows_R, route_of_row_R[:R] // K, 0)
         send_RD = _GatherTokens.apply(x_TD, token_of_row_R, send_row_N.view(T, K))
         recv_RD = self.transport.exchange(send_RD, payload=self.payload)
         # 5. One gather into expert-major order; positions past the last offset read the sink.
         #    Every gather's backward is a gather by the inverse index (see moe.dispatch.gather_rows).
         start_sx = torch.arange(G, device=device)[:, None] * B + block_start_sdx[:, me, :]
         recv_row_R, offsets_e = _expert_major_index(kept_sdx[:, me, :], start_sx, R, sink_row=R)
-        used_R = recv_row_R < R
-        recv_to_expert_major_R = _inverse_index(recv_row_R, used_R, R + 1, fill=R)
+        recv_to_expert_major_R = _inverse_index(recv_row_R, recv_row_R < R, R + 1, fill=R)
         rows_RD = gather_rows(recv_RD, recv_row_R, recv_to_expert_major_R)
         handle = NoSyncHandle(
             send_row_TK=send_row_N.view(T, K),
             recv_to_expert_major_R=recv_to_expert_major_R[:R].clamp(max=R - 1),
             weights_TK=routing.weights_TK,
-            expert_major_to_recv_R=torch.where(used_R, recv_row_R, R),
-            route_of_send_row_R=_inverse_index(send_row_N, keep_N, R + 1, fill=T * K),
+            expert_major_to_recv_R=recv_row_R,
+            route_of_send_row_R=route_of_row_R,
         )
         if torch.is_grad_enabled() and not is_recomputing():  # training forwards, once each
             self._record(keep_N, offsets_e, R)

@@ -43,9 +43,7 @@ from moetrain.parallel.pipeline import apply_pipeline_split
 
 
 def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Transformer:
-    compile_blocks = config.parallel.compile
-    if compile_blocks is None:  # on CPU compile time dwarfs the gain for the models one runs there
-        compile_blocks = dims.device.type == "cuda"
+    compile_blocks = config.parallel.compiles(dims.device.type)
     if dims.pp > 1:
         if compile_blocks and config.parallel.pp_schedule == "zero_bubble":
             raise ValueError(

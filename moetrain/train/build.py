@@ -132,8 +132,7 @@ def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
     choice = config.precision.param_dtype
     if choice == "auto":
         choice = "bf16" if device.type == "cuda" else "fp32"
-    compile_ = config.parallel.compile
-    compiled = compile_ is True or (compile_ is None and device.type == "cuda")
+    compiled = config.parallel.compiles(device.type)
     if choice == "fp32" and compiled and config.precision.experts == "bf16":
         raise ValueError(
             "precision.param_dtype (fp32) needs parallel.compile=false: compiled, the expert "
