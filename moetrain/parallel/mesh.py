@@ -105,12 +105,7 @@ def init_distributed(config: RunConfig, device_type: str | None = None) -> Paral
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = resolve_backend(config, device_type, launch.world_size)
     if device_type == "cuda":
-        # nccl: one GPU per local rank; gloo: local ranks share the GPUs there are
-        index = (
-            launch.local_rank
-            if backend == "nccl"
-            else launch.local_rank % torch.cuda.device_count()
-        )
+        index = cuda_device_index(backend, launch.local_rank)
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
     else:
@@ -186,6 +181,12 @@ def init_distributed(config: RunConfig, device_type: str | None = None) -> Paral
         edp_rank=edp_rank,
         pp_rank=pp_rank,
     )
+
+
+def cuda_device_index(backend: str, local_rank: int) -> int:
+    """This rank's GPU: nccl gives each local rank its own; gloo lets local ranks share the GPUs
+    there are (rank r on GPU r mod #GPUs)."""
+    return local_rank if backend == "nccl" else local_rank % torch.cuda.device_count()
 
 
 def resolve_backend(config: RunConfig, device_type: str, world_size: int) -> str:

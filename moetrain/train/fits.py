@@ -20,16 +20,19 @@ import torch
 
 from moetrain.config import RunConfig
 from moetrain.dry_run import layout_from_config
+from moetrain.parallel.mesh import cuda_device_index, read_launch_env, resolve_backend
 from moetrain.plan.layout import GIB, num_microbatches
 from moetrain.plan.memory import stage_memory
+from moetrain.train.build import resolve_param_dtype
 
 
 def predicted_peak(config: RunConfig, world_size: int, device_type: str) -> int:
     """Bytes at the peak of the most loaded rank, under the parameter dtype `device_type` gets."""
-    if config.precision.param_dtype == "auto" and device_type != "cuda":
-        config = dataclasses.replace(  # auto means fp32 parameters off the GPU
-            config, precision=dataclasses.replace(config.precision, param_dtype="fp32")
-        )
+    dtype = resolve_param_dtype(config, torch.device(device_type))  # what "auto" means there
+    param_dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    config = dataclasses.replace(
+        config, precision=dataclasses.replace(config.precision, param_dtype=param_dtype)
+    )
     layout = layout_from_config(config, world_size)
     t = config.train
     tokens = t.global_batch_tokens or t.micro_batch_size * t.seq_len * layout.dp
@@ -68,14 +71,19 @@ def check_fits(config: RunConfig, device: str | None, force: bool = False) -> No
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if target.type not in ("cuda", "cpu"):
         return
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = read_launch_env()
     try:
-        needed = predicted_peak(config, world_size, target.type)
+        backend = resolve_backend(config, target.type, launch.world_size)
+        needed = predicted_peak(config, launch.world_size, target.type)
     except ValueError:  # a layout the planner does not model: the trainer judges it
         return
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", cuda_device_index(backend, launch.local_rank))
     free, what = available_memory(target)
+    if target.type == "cuda" and backend == "gloo":  # several ranks share each GPU
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        sharing = -(-local_ranks // torch.cuda.device_count())
+        free, what = free // sharing, f"{what} / {sharing} ranks on it"
     if needed > free:
         raise ValueError(
             f"this run needs about {needed / GIB:.1f} GiB per process (the planner's estimate for "
