@@ -26,6 +26,22 @@ def test_bench_on_cpu_times_real_steps_and_writes_json_and_markdown(tmp_path, ca
     assert "no GPU" in capsys.readouterr().err
 
 
+def test_bench_micro_batches_time_accumulating_steps(tmp_path):
+    """--micro-batches 2: each timed step runs two micro-batches (what a gradient-accumulation
+    cost is measured on), and its tokens count both."""
+    out = tmp_path / "r.json"
+    args = ["bench", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--optimizer", "mixed"]
+    assert main([*args, "--micro-batches", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    cfg = presets.tiny().train
+    assert result["tokens_per_step"] == 2 * cfg.micro_batch_size * cfg.seq_len
+    for micro_batches in (1, 2):
+        with warmed_trainer(
+            presets.tiny(), "mixed", warmup=3, device="cpu", micro_batches=micro_batches
+        ) as (trainer, _):
+            assert trainer.step == 3 and trainer.train_loader.batches == 3 * micro_batches
+
+
 def test_warmed_trainer_is_the_benchmarks_trainer_after_its_warm_up_steps():
     with warmed_trainer(presets.tiny(), "bf16-adamw", warmup=2, device="cpu") as (trainer, it):
         cfg = trainer.config

@@ -31,6 +31,12 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per timed step (gradient accumulation; 1: the peers' setting)",
+    )
     p.add_argument("--compare", choices=["hf", "hf-compiled"], action="append", default=[])
     p.add_argument(
         "--sweep", action="store_true", help="run the expert-scaling series scale-E8..E128"
@@ -70,6 +76,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 device=str(device),
                 mm_tflops=mm,
                 profile=args.profile,
+                micro_batches=args.micro_batches,
             )
             results.append(r)
             floor = harness.optimizer_floor_ms(config, opt)

@@ -91,7 +91,7 @@ def _result(
     mm_tflops: float | None,
 ) -> BenchResult:
     t = config.train
-    tokens = t.micro_batch_size * t.seq_len
+    tokens = t.micro_batch_size * t.seq_len * config.grad_accum_steps(1)
     stats = summarize(times)
     tokens_per_s = tokens / (stats["median_ms"] / 1e3)
     tflops = tokens_per_s * flops_per_token(config) / 1e12
@@ -114,13 +114,20 @@ def _result(
     )
 
 
-def bench_config(config: RunConfig, routing: str, optimizer: str) -> RunConfig:
-    """The benchmark variant of a run config: random token ids, one micro-batch per step."""
+def bench_config(
+    config: RunConfig, routing: str, optimizer: str, micro_batches: int = 1
+) -> RunConfig:
+    """The benchmark variant of a run config: random token ids, `micro_batches` micro-batches
+    per step (1, the peers' comparison, unless a gradient accumulation is what is measured)."""
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
+    t = config.train
+    batch = micro_batches * t.micro_batch_size * t.seq_len if micro_batches > 1 else None
     overrides = [
         "data.random_tokens=true",
         f"moe.routing={routing}",
         "train.eval_every=0",
-        "train.global_batch_tokens=null",
+        f"train.global_batch_tokens={'null' if batch is None else batch}",
         "train.log_every=1000000",
     ]
     if optimizer == "bf16-adamw":  # the peers' setting: bf16 params and states, no fp32 master
@@ -146,6 +153,7 @@ def warmed_trainer(
     warmup: int = 3,
     routing: str = "learned",
     device: str = "cuda",
+    micro_batches: int = 1,
 ) -> Iterator[tuple[Any, Iterator]]:
     """(trainer, its batch iterator) as `moetrain bench` builds them, in a temporary run
     directory, after `warmup` steps (3: a step graph is captured by then), for the benchmark
@@ -154,7 +162,10 @@ def warmed_trainer(
 
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(
-            bench_config(config, routing, optimizer), run_dir, device=device, progress=False
+            bench_config(config, routing, optimizer, micro_batches),
+            run_dir,
+            device=device,
+            progress=False,
         )
         it = iter(trainer.train_loader)
         for _ in range(warmup):
@@ -174,10 +185,11 @@ def bench_moetrain(
     device: str | None = None,
     mm_tflops: float | None = None,
     profile: bool = False,
+    micro_batches: int = 1,
 ) -> BenchResult:
     from moetrain.train.trainer import Trainer
 
-    config = bench_config(config, routing, optimizer)
+    config = bench_config(config, routing, optimizer, micro_batches)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(config, run_dir, device=device, progress=False)
         dev = trainer.device
