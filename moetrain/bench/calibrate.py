@@ -136,7 +136,10 @@ def activation_factor(config: RunConfig, device: torch.device) -> float:
     before = torch.cuda.memory_allocated(device)
     y = block(x)
     torch.cuda.synchronize(device)
+    # the block's output is the next block's to count; its input, which attn_norm keeps, is
+    # this block's (plan.memory counts it there) though it was allocated before the forward
     kept = torch.cuda.memory_allocated(device) - before - y.numel() * y.element_size()
+    kept += x.numel() * x.element_size()
     del y, model, block
     counted = sum(block_activation_bytes(one, t.micro_batch_size * t.seq_len, moe=True))
     return kept / counted
