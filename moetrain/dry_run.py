@@ -60,7 +60,7 @@ def layout_from_config(config: RunConfig, world_size: int) -> Layout:
     )
 
 
-def _keep_local_experts(experts: GroupedExperts, ids: range) -> None:
+def keep_local_experts(experts: GroupedExperts, ids: range) -> None:
     """What `parallel.expert.apply_ep` does to the weights, without its process groups and
     dispatchers: keep the layer's experts `ids` (consecutive global ids)."""
     for name in ("w_up_eD2F", "w_down_eFD"):
@@ -86,7 +86,7 @@ def build_rank_model(config: RunConfig, layout: Layout, rank: int) -> Transforme
     if layout.ep > 1:
         ids = local_experts(config.moe.num_experts, layout, rank)
         for layer in model.moe_layers():
-            _keep_local_experts(layer.experts, ids)
+            keep_local_experts(layer.experts, ids)
     return model.to(param_dtype(config))
 
 

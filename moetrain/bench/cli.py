@@ -10,6 +10,8 @@ import sys
 from moetrain.presets import PRESETS, get_preset
 
 SCALE_SERIES = ["scale-E8", "scale-E16", "scale-E32", "scale-E64", "scale-E128"]
+CHECK_PRESETS = ["small", "olmoe8", "scale-E8", "scale-E128"]
+PROJECT_PRESETS = ["olmoe-1b-7b", "ref-47b", *SCALE_SERIES]
 
 
 def add_bench_parser(sub) -> None:
@@ -45,6 +47,33 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--results-md", help="append a dated table to this markdown file")
     p.add_argument("--device")
+    g = p.add_argument_group("calibration and the N-GPU projection (docs/plan.md)")
+    g.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the planner's rates on this GPU, write the calibration file, and check "
+        "the planner against bench on --check-presets",
+    )
+    g.add_argument("--check-presets", nargs="+", default=CHECK_PRESETS, metavar="PRESET")
+    g.add_argument(
+        "--calibration", help="calibration file to write (default: ~/.cache/moetrain/...)"
+    )
+    g.add_argument(
+        "--project",
+        action="store_true",
+        help="project --project-presets onto --gpus GPUs: one rank's compute measured here, "
+        "communication from the H200 and B300 link models",
+    )
+    g.add_argument("--project-presets", nargs="+", default=PROJECT_PRESETS, metavar="PRESET")
+    g.add_argument("--gpus", type=int, default=8)
+    g.add_argument("--microbatches", type=int, default=1, help="micro-batches per rank and step")
+    g.add_argument(
+        "--link-efficiency",
+        type=float,
+        default=1.0,
+        help="share of the datasheet link bandwidth collectives reach",
+    )
+    g.add_argument("--out", help="write calibration, check and projection files here")
     p.set_defaults(func=run_bench)
 
 
@@ -52,18 +81,24 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from moetrain.bench import harness
+    from moetrain.bench.calibrate import sustained_line
     from moetrain.bench.gpu_state import describe
-    from moetrain.bench.timing import matmul_tflops
+    from moetrain.bench.timing import matmul_tflops, sustained_matmul
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda":
         print("note: no GPU; CPU timings are for smoke tests only", file=sys.stderr)
+    if args.calibrate or args.project:
+        return run_calibrate_and_project(args, device)
     mm = matmul_tflops(device)
+    sustained = sustained_matmul(device)
     presets = SCALE_SERIES if args.sweep else [args.preset]
     optimizers = ["mixed", "bf16-adamw"] if args.optimizer == "both" else [args.optimizer]
     results, extra = [], {}
     if mm:
         extra["measured BF16 8192^3 matmul TFLOP/s"] = f"{mm:.0f}"
+    if sustained:
+        extra["the same matmul sustained (power limit)"] = sustained_line(sustained, mm)
     for name in presets:
         config = get_preset(name).with_overrides(args.set or [])
         for opt in optimizers:
@@ -78,6 +113,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 profile=args.profile,
                 micro_batches=args.micro_batches,
             )
+            if sustained:
+                r.mfu_sustained = r.tflops / sustained["tflops_second_half"]
             results.append(r)
             floor = harness.optimizer_floor_ms(config, opt)
             extra[f"{name} {opt} split"] = (
@@ -136,4 +173,57 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"{key}: {value}")
     command = "moetrain " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     harness.write_outputs(results, command, args.json, args.results_md, extra)
+    return 0
+
+
+def run_calibrate_and_project(args: argparse.Namespace, device) -> int:
+    """--calibrate and/or --project (in that order); with --out, every table and file there."""
+    from pathlib import Path
+
+    from moetrain.bench import calibrate, project
+    from moetrain.plan import calibration
+
+    out = Path(args.out) if args.out else None
+    report: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        report.append(text)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "report.md").write_text("\n".join(report) + "\n")
+
+    bench_kw = {"steps": args.steps, "warmup": args.warmup, "device": str(device)}
+    if args.calibrate:
+        if device.type != "cuda":
+            print("error: --calibrate measures a GPU", file=sys.stderr)
+            return 2
+        configs = [get_preset(n).with_overrides(args.set or []) for n in args.check_presets]
+        cal = calibrate.calibrate(configs, device)
+        path = Path(args.calibration) if args.calibration else calibration.default_path(cal.gpu)
+        calibration.save(cal, path)
+        if out is not None:
+            calibration.save(cal, out / path.name)
+        say(f"calibration written to {path}:\n{cal.to_json()}")
+        say(f"sustained matmul: {cal.sustained_tflops} TFLOP/s (short: {cal.matmul_tflops:.0f})")
+        optimizer = "bf16-adamw" if args.optimizer == "both" else args.optimizer
+        say(f"\nplanner (calibrated) against bench, {optimizer}:\n{calibrate.CHECK_HEADER}")
+        for config in configs:
+            say(calibrate.check(config, cal, optimizer, **bench_kw).row())
+    if args.project:
+        optimizer = "mixed" if args.optimizer == "both" else args.optimizer
+        configs = [get_preset(n).with_overrides(args.set or []) for n in args.project_presets]
+        say(f"\nprojection onto {args.gpus} GPUs ({optimizer}; compute measured on {device}):")
+        rows, _ = project.run_projection(
+            configs,
+            gpus=args.gpus,
+            optimizer=optimizer,
+            microbatches=args.microbatches,
+            out_dir=str(out) if out is not None else None,
+            efficiency=args.link_efficiency,
+            print_fn=say,
+            **bench_kw,
+        )
+        for line in project.ratios(rows):
+            say(line)
     return 0

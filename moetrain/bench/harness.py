@@ -44,6 +44,7 @@ class BenchResult:
     mfu_datasheet: float | None
     mfu_measured: float | None
     peak_mem_gib: float
+    mfu_sustained: float | None = None  # against the matmul sustained at the power limit
     split_ms: dict[str, float] = field(default_factory=dict)
     phases_ms: dict[str, float] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)  # step_ms under the profiler, top kernels
@@ -53,6 +54,7 @@ class BenchResult:
     def row(self) -> list[str]:
         mfu = "-" if self.mfu_datasheet is None else f"{100 * self.mfu_datasheet:.1f}%"
         mfu_m = "-" if self.mfu_measured is None else f"{100 * self.mfu_measured:.1f}%"
+        mfu_s = "-" if self.mfu_sustained is None else f"{100 * self.mfu_sustained:.1f}%"
         return [
             self.system,
             self.preset,
@@ -62,6 +64,7 @@ class BenchResult:
             f"{self.tflops:.0f}",
             mfu,
             mfu_m,
+            mfu_s,
             f"{self.stats['median_ms']:.1f} ({self.stats['p10_ms']:.1f}-{self.stats['p90_ms']:.1f})",
             f"{self.peak_mem_gib:.1f}",
         ]
@@ -76,6 +79,7 @@ HEADER = [
     "TFLOP/s",
     "MFU (datasheet)",
     "MFU (measured mm)",
+    "MFU (sustained mm)",
     "step ms median (p10-p90)",
     "peak GiB",
 ]
@@ -186,12 +190,16 @@ def bench_moetrain(
     mm_tflops: float | None = None,
     profile: bool = False,
     micro_batches: int = 1,
+    model_transform=None,
 ) -> BenchResult:
+    """`model_transform`: the Trainer's (a change to the meta model, e.g. one rank's share)."""
     from moetrain.train.trainer import Trainer
 
     config = bench_config(config, routing, optimizer, micro_batches)
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(config, run_dir, device=device, progress=False)
+        trainer = Trainer(
+            config, run_dir, device=device, progress=False, model_transform=model_transform
+        )
         dev = trainer.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)

@@ -89,3 +89,51 @@ def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> flo
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     times = time_steps(lambda: a @ b, warmup=3, steps=repeats, device=device)
     return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def steady_rate(work_per_chunk: float, chunk_ms: list[float]) -> tuple[float, float]:
+    """(rate over all chunks, median rate over the last half) of equal chunks of work, per
+    second: the second is the rate once the GPU's clock has settled at its power limit."""
+    if not chunk_ms:
+        raise ValueError("no chunks timed")
+    overall = work_per_chunk * len(chunk_ms) / (sum(chunk_ms) * 1e-3)
+    late = chunk_ms[len(chunk_ms) // 2 :]
+    return overall, work_per_chunk / (statistics.median(late) * 1e-3)
+
+
+def sustained_matmul(
+    device: torch.device, n: int = 8192, seconds: float = 2.0, chunk: int = 50
+) -> dict | None:
+    """The BF16 n^3 product repeated back to back for at least `seconds`, timed in chunks of
+    `chunk` products, with the GPU's clock and power sampled (bench/gpu_state.py). The short
+    reference (`matmul_tflops`, 14 ms of work on an H200) never reaches a 700 W power limit;
+    training steps do, and this is the rate the GPU sustains there. Returns TFLOP/s over the run
+    and over its second half, the seconds run and the GPU's state; None off CUDA."""
+    from moetrain.bench.gpu_state import GpuStateSampler, nvml_reader
+
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.matmul(a, b, out=out)
+    torch.cuda.synchronize(device)
+    chunks_ms: list[float] = []
+    t0 = time.perf_counter()
+    with GpuStateSampler(nvml_reader(device)) as gpu:
+        while time.perf_counter() - t0 < seconds:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(chunk):
+                torch.matmul(a, b, out=out)
+            end.record()
+            end.synchronize()
+            chunks_ms.append(start.elapsed_time(end))
+    overall, late = steady_rate(chunk * 2 * n**3 / 1e12, chunks_ms)
+    return {
+        "tflops": overall,
+        "tflops_second_half": late,
+        "seconds": sum(chunks_ms) / 1e3,
+        "gpu_state": gpu.summary(),
+    }

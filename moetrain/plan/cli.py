@@ -8,10 +8,12 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from moetrain.config import RunConfig
 from moetrain.model.flops import ParamCounts, flops_per_token, param_counts
+from moetrain.plan import calibration
 from moetrain.plan.layout import (
     CHECKPOINTING,
     GIB,
@@ -57,6 +59,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--nvlink-gbps", type=float, help="GB/s per direction per GPU in a node")
     p.add_argument("--internode-gbps", type=float, help="GB/s per GPU between nodes")
     p.add_argument("--overhead-gib", type=float, default=_CLUSTER_DEFAULTS["overhead_gib"])
+    p.add_argument(
+        "--calibration",
+        help="rates measured by `moetrain bench --calibrate` (default: "
+        "~/.cache/moetrain/calibration-<gpu>.json when it exists); they replace the efficiencies",
+    )
+    p.add_argument("--no-calibration", action="store_true", help="datasheet-derived rates only")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_plan)
@@ -89,6 +97,7 @@ def run_plan(args: argparse.Namespace) -> int:
             attention_efficiency=args.attention_efficiency,
             overhead_gib=args.overhead_gib,
         )
+        cluster, calibrated = apply_calibration(args, cluster, config.name)
         tokens = args.global_batch_tokens or default_global_batch_tokens(config, args.gpus)
         estimates = plan(
             config,
@@ -115,6 +124,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     "active_params": counts.active,
                     "flops_per_token": flops_per_token(config),
                     "gpu": args.gpu,
+                    "calibration": calibrated,
                     "num_gpus": args.gpus,
                     "gpus_per_node": args.nodes_of,
                     "memory_limit_gib": cluster.memory_bytes / GIB,
@@ -127,8 +137,32 @@ def run_plan(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    if calibrated:
+        print(f"calibrated: {calibrated}")
     _print_table(config, cluster, tokens, estimates, best, counts)
     return 0
+
+
+def apply_calibration(
+    args: argparse.Namespace, cluster: Cluster, config_name: str
+) -> tuple[Cluster, str | None]:
+    """The cluster with a calibration file's rates, and a line naming the file (None: none)."""
+    if args.no_calibration:
+        return cluster, None
+    path = Path(args.calibration) if args.calibration else calibration.default_path(args.gpu)
+    if not path.exists():
+        if args.calibration:
+            raise ValueError(f"--calibration {path}: no such file")
+        return cluster, None
+    measured = calibration.load(path)
+    cluster = calibration.calibrated_cluster(cluster, measured, config_name)
+    entry = "its own shapes" if config_name in measured.shapes else "the median of its entries"
+    return cluster, (
+        f"{path} ({measured.device_name}, {measured.date}; rates of {entry}: products at "
+        f"{cluster.matmul_efficiency:.2f} / {cluster.grouped_efficiency:.2f} / "
+        f"{cluster.attention_efficiency:.2f} of peak, {cluster.hbm_bps / 1e12:.1f} TB/s, "
+        f"activations x {cluster.activation_factor:.2f})"
+    )
 
 
 def _print_table(

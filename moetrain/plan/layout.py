@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from moetrain.config import RunConfig
+from moetrain.plan.links import Links
 
 GIB = 2**30
 CHECKPOINTING = ("none", "moe", "full")
@@ -61,9 +62,14 @@ class Cluster:
     attention_efficiency: float = 0.41
     latency_us: float = 10.0  # per collective or send
     overhead_gib: float = 2.0  # CUDA context, library workspaces, communication buffers
+    hbm_tbps: float | None = None  # memory-bound kernels and the optimizer; None: datasheet
+    # kept activations relative to what eager autograd saves (plan.memory); compiled blocks
+    # save less, and a calibration file (plan/calibration.py) measures the ratio
+    activation_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("num_gpus", "gpus_per_node", "matmul_efficiency", "grouped_efficiency"):
+        positive = ("num_gpus", "gpus_per_node", "matmul_efficiency", "grouped_efficiency")
+        for name in (*positive, "attention_efficiency", "activation_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cluster {name} ({getattr(self, name)}) must be > 0")
 
@@ -79,6 +85,19 @@ class Cluster:
     @property
     def internode_bps(self) -> float:
         return (self.internode_gbps or self.gpu.internode_gbps) * 1e9
+
+    @property
+    def hbm_bps(self) -> float:
+        return (self.hbm_tbps or self.gpu.hbm_tbps) * 1e12
+
+    @property
+    def links(self) -> Links:
+        return Links(
+            nvlink_gbps=self.nvlink_bps / 1e9,
+            internode_gbps=self.internode_bps / 1e9,
+            gpus_per_node=self.gpus_per_node,
+            latency_us=self.latency_us,
+        )
 
 
 # ---- layouts ---------------------------------------------------------------------------------

@@ -311,11 +311,18 @@ class Memory:
 
 
 def stage_memory(
-    config: RunConfig, layout: Layout, stage: int, num_micro: int, overhead: int = 2 * GIB
+    config: RunConfig,
+    layout: Layout,
+    stage: int,
+    num_micro: int,
+    overhead: int = 2 * GIB,
+    activation_factor: float = 1.0,
 ) -> Memory:
     """ShardedAdamW's buffers: parameters and gradients (views into flat buckets), the reduce-
     scatter output of each group of more than one rank (a gradient shard), and the fp32 master
-    and moments of the shards; then activations, the backward's transient and the overhead."""
+    and moments of the shards; then activations, the backward's transient and the overhead.
+    `activation_factor` scales the activations and the transient (1: eager autograd's bytes;
+    compiled blocks save less: `Cluster.activation_factor`, measured by a calibration)."""
     b = precision_bytes(config)
     params = rank_params(config, pp=layout.pp, ep=layout.ep, stage=stage)
     shards = optimizer_shards(params, layout)
@@ -326,7 +333,9 @@ def stage_memory(
         params=b.param * params.total,
         grads=b.grad * (params.total + sum(shard for shard, group in shards if group > 1)),
         optimizer=(b.master + b.moments) * sum(shard for shard, _ in shards),
-        activations=int(in_flight_microbatches(layout, stage, num_micro) * kept),
-        transient=transient,
+        activations=int(
+            in_flight_microbatches(layout, stage, num_micro) * kept * activation_factor
+        ),
+        transient=int(transient * activation_factor),
         overhead=overhead,
     )

@@ -22,6 +22,7 @@ from moetrain.plan.layout import (
     microbatch_tokens,
     stage_layers,
 )
+from moetrain.plan.links import members_per_node, split_all_to_all, split_collective
 from moetrain.plan.memory import (
     Memory,
     RankParams,
@@ -36,11 +37,6 @@ from moetrain.plan.memory import (
 )
 
 ELEMENTWISE_PASSES = 4  # saved bytes: written in forward, read in backward; their gradient too
-
-
-def members_per_node(group: int, stride: int, gpus_per_node: int) -> int:
-    """How many members of a group (ranks `stride` apart) share one node."""
-    return max(1, min(group, gpus_per_node // stride))
 
 
 @dataclass(frozen=True)
@@ -92,25 +88,6 @@ def bubble_microbatches(layout: Layout) -> float:
     }[layout.schedule]
 
 
-def _split_collective(nbytes: float, group: int, stride: int, node: int) -> tuple[float, float]:
-    """Reduce-scatter or all-gather of an `nbytes` buffer, hierarchically: inside each node over
-    NVLink, then across nodes among the ranks holding the same slice (bandwidth-optimal)."""
-    local = members_per_node(group, stride, node)
-    nodes = -(-group // local)
-    return nbytes * (local - 1) / local, nbytes / local * (nodes - 1) / nodes
-
-
-def _split_all_to_all(nbytes: float, group: int, node: int) -> tuple[float, float]:
-    """An all-to-all over consecutive ranks, `nbytes` spread evenly over the group (self too)."""
-    local = members_per_node(group, 1, node)
-    return nbytes * (local - 1) / group, nbytes * (group - local) / group
-
-
-def _link_time(intra: float, inter: float, cluster: Cluster, concurrent: bool) -> float:
-    t_intra, t_inter = intra / cluster.nvlink_bps, inter / cluster.internode_bps
-    return max(t_intra, t_inter) if concurrent else t_intra + t_inter
-
-
 def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -> float:
     """One micro-batch's products on a stage. A forward is a third of forward + backward; moe
     checkpointing redoes the experts and the router (2 D E FLOPs per token), full everything."""
@@ -160,7 +137,7 @@ def _elementwise_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: i
                     "full": attention + norm + ffn,
                 }[ckpt]
             )
-    return (ELEMENTWISE_PASSES * saved + redone) / (cluster.gpu.hbm_tbps * 1e12)
+    return (ELEMENTWISE_PASSES * saved + redone) / cluster.hbm_bps
 
 
 def _all_to_all(
@@ -180,9 +157,9 @@ def _all_to_all(
     backward = rows * D * 2 * a
     recompute = layout.activation_checkpointing != "none"
     per_layer = forward * (1 + recompute) + backward
-    intra, inter = _split_all_to_all(num_moe * per_layer, layout.ep, cluster.gpus_per_node)
+    intra, inter = split_all_to_all(num_moe * per_layer, layout.ep, cluster.gpus_per_node)
     launches = num_moe * (4 + 2 * recompute)
-    seconds = _link_time(intra, inter, cluster, concurrent=True)
+    seconds = cluster.links.transfer_s(intra, inter, concurrent=True)
     return intra, inter, seconds + launches * cluster.latency_us * 1e-6
 
 
@@ -201,7 +178,7 @@ def _pipeline_sends(
             intra += nbytes
         else:
             inter += nbytes
-    seconds = _link_time(intra, inter, cluster, concurrent=False)
+    seconds = cluster.links.transfer_s(intra, inter, concurrent=False)
     return intra, inter, seconds + len(boundaries) * cluster.latency_us * 1e-6
 
 
@@ -220,9 +197,9 @@ def _grad_sync(
         if group == 1 or numel == 0:
             continue
         for per_element in (b.grad, b.param):
-            i, o = _split_collective(numel * per_element, group, stride, cluster.gpus_per_node)
+            i, o = split_collective(numel * per_element, group, stride, cluster.gpus_per_node)
             intra, inter = intra + i, inter + o
-            seconds += _link_time(i, o, cluster, concurrent=False) + cluster.latency_us * 1e-6
+            seconds += cluster.links.transfer_s(i, o, concurrent=False) + cluster.latency_us * 1e-6
     return intra, inter, seconds
 
 
@@ -232,7 +209,7 @@ def _optimizer_s(config: RunConfig, cluster: Cluster, layout: Layout, params: Ra
     b = precision_bytes(config)
     shards = sum(shard for shard, _ in optimizer_shards(params, layout))
     optimizer_bytes = shards * (2 * (b.master + b.moments) + b.grad + b.param)
-    return optimizer_bytes / (cluster.gpu.hbm_tbps * 1e12)
+    return optimizer_bytes / cluster.hbm_bps
 
 
 def stage_estimate(
@@ -248,7 +225,14 @@ def stage_estimate(
         stage=stage,
         layers=layers,
         params=params,
-        memory=stage_memory(config, layout, stage, num_micro, int(cluster.overhead_gib * GIB)),
+        memory=stage_memory(
+            config,
+            layout,
+            stage,
+            num_micro,
+            int(cluster.overhead_gib * GIB),
+            cluster.activation_factor,
+        ),
         traffic=Traffic(
             all_to_all_intra=a2a_intra * num_micro,
             all_to_all_inter=a2a_inter * num_micro,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,11 @@ class Trainer:
         device: str | None = None,
         progress: bool = True,
         overwrite: bool = False,
+        model_transform: Callable[[Transformer], None] | None = None,
     ) -> None:
+        """`model_transform` changes the parallelized model before it is materialized (on the
+        meta device; with FSDP after): benchmarks use it to keep one rank's share of a larger
+        layout (`moetrain.bench.project`)."""
         config = resolve_vocab_size(config)  # unset: from the tokenizer
         if config.train.wandb_project is not None:  # a missing package fails now, not at step 1
             import_wandb(config.train.wandb_project)
@@ -108,6 +113,8 @@ class Trainer:
         if fsdp:  # the baseline shards materialized, initialized weights (see parallel/data.py)
             self._materialize(model)
         model = parallelize(model, config, self.dims)
+        if model_transform is not None:
+            model_transform(model)
         if not fsdp:
             self._materialize(model)
         apply_precision(model, config, self.device)

@@ -1,0 +1,123 @@
+"""A calibration file: rates measured on one GPU that replace the planner's datasheet-derived
+efficiencies, written by `moetrain bench --calibrate` and read by `moetrain plan`.
+
+Contents: the GPU's short 8192^3 BF16 matmul rate and the rate it sustains at its power limit
+(`moetrain.bench.timing.sustained_matmul`), its copy bandwidth, and per config (by name) the
+rates measured at that config's shapes: the dense products (projections, router, LM head),
+the experts' grouped GEMMs with uniform groups, causal attention (in model FLOPs, 6 D S per
+token and layer, as flops.py counts it), and the ratio of what a compiled block saves for
+backward to what the activation model counts (plan.memory, eager autograd's bytes).
+
+How a plan uses it (`calibrated_cluster`): products run at the measured rate scaled by
+sustained / short matmul (training steps run at the power limit, short kernel timings do not),
+as a fraction of the datasheet peak; memory-bound kernels and the optimizer at the measured
+copy bandwidth; kept activations scaled by the measured ratio. A config without its own entry
+takes the median of the entries. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moetrain.plan.layout import GPUS, Cluster
+
+
+@dataclass(frozen=True)
+class ShapeRates:
+    """TFLOP/s measured at one config's shapes (short timings, full clock)."""
+
+    dense_tflops: float
+    grouped_tflops: float
+    attention_tflops: float  # model FLOPs: 6 D S per token and layer
+    activation_factor: float = 1.0  # compiled block's saved bytes / plan.memory's
+
+
+@dataclass(frozen=True)
+class Calibration:
+    gpu: str  # a key of plan.layout.GPUS
+    device_name: str
+    date: str
+    matmul_tflops: float  # 8192^3 BF16, short
+    sustained_tflops: float | None  # the same for >= 2 s, at the power limit
+    hbm_tbps: float  # device-to-device copy: bytes read + written per second
+    shapes: dict[str, ShapeRates] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.gpu not in GPUS:
+            raise ValueError(f"calibration gpu ({self.gpu!r}) must be one of {', '.join(GPUS)}")
+
+    @property
+    def power_factor(self) -> float:
+        """Sustained over short matmul rate (at most 1): how much the power limit slows products."""
+        if not self.sustained_tflops:
+            return 1.0
+        return min(1.0, self.sustained_tflops / self.matmul_tflops)
+
+    def rates(self, config_name: str) -> ShapeRates | None:
+        """The config's entry, else the median of the entries, else None."""
+        if config_name in self.shapes:
+            return self.shapes[config_name]
+        if not self.shapes:
+            return None
+        return ShapeRates(
+            *(
+                statistics.median(getattr(s, f.name) for s in self.shapes.values())
+                for f in dataclasses.fields(ShapeRates)
+            )
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        data = json.loads(text)
+        data["shapes"] = {k: ShapeRates(**v) for k, v in data.get("shapes", {}).items()}
+        return cls(**data)
+
+
+def default_path(gpu: str) -> Path:
+    """$XDG_CACHE_HOME/moetrain/calibration-<gpu>.json (~/.cache when unset)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "moetrain" / f"calibration-{gpu}.json"
+
+
+def load(path: str | Path) -> Calibration:
+    try:
+        return Calibration.from_json(Path(path).read_text())
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"calibration file {path}: {exc}") from None
+
+
+def save(calibration: Calibration, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(calibration.to_json() + "\n")
+    return path
+
+
+def calibrated_cluster(cluster: Cluster, calibration: Calibration, config_name: str) -> Cluster:
+    """`cluster` with the measured rates of `config_name` (module docstring)."""
+    if calibration.gpu != cluster.gpu.name:
+        raise ValueError(
+            f"the calibration was measured on {calibration.gpu}, the plan is for {cluster.gpu.name}"
+        )
+    peak = cluster.gpu.bf16_tflops
+    changes: dict = {"hbm_tbps": calibration.hbm_tbps}
+    rates = calibration.rates(config_name)
+    power = calibration.power_factor
+    if rates is None:
+        changes["matmul_efficiency"] = calibration.matmul_tflops * power / peak
+    else:
+        changes |= {
+            "matmul_efficiency": rates.dense_tflops * power / peak,
+            "grouped_efficiency": rates.grouped_tflops * power / peak,
+            "attention_efficiency": rates.attention_tflops * power / peak,
+            "activation_factor": rates.activation_factor,
+        }
+    return dataclasses.replace(cluster, **changes)

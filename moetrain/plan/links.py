@@ -1,0 +1,88 @@
+"""The link model: how long a collective takes on one GPU, from the bytes it moves and the
+bandwidth of NVLink (inside a node) and of the network (between nodes).
+
+Bandwidths are per GPU and per direction, in GB/s (1e9 B/s). Datasheets quote NVLink as the sum
+of both directions: H100/H200 NVLink 4 "900 GB/s" is 450 per direction, B200/B300 NVLink 5
+"1.8 TB/s" is 900; a 400 Gb/s NIC per GPU is 50 GB/s, an 800 Gb/s one 100.
+
+Bytes each GPU sends for a buffer of S bytes over a group of n ranks (bandwidth-optimal
+algorithms; S is the whole buffer: the all-gather's output, the reduce-scatter's input, the
+all-reduce's buffer, the all-to-all's payload of one rank with its own share):
+- reduce-scatter and all-gather: (n - 1) / n x S;
+- all-reduce (ring: a reduce-scatter, then an all-gather): 2 (n - 1) / n x S;
+- all-to-all with even splits: (n - 1) / n x S, of which (n - local) / n leaves the node.
+A collective over a group that spans nodes runs hierarchically: inside each node over NVLink,
+(local - 1) / local x S, then across nodes among the ranks that hold the same slice,
+S / local x (nodes - 1) / nodes, one after the other. An all-to-all drives both links at once.
+time = bytes / (bandwidth x efficiency) + one latency per collective. `efficiency` is the share of
+the datasheet bandwidth a collective reaches (1.0: the datasheet; NCCL's bus bandwidth on an
+H100/H200 NVLink node is about 0.8 of it). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def members_per_node(group: int, stride: int, gpus_per_node: int) -> int:
+    """How many members of a group (ranks `stride` apart) share one node."""
+    return max(1, min(group, gpus_per_node // stride))
+
+
+def split_collective(nbytes: float, group: int, stride: int, node: int) -> tuple[float, float]:
+    """(bytes over NVLink, bytes over the network) one GPU sends in a reduce-scatter or an
+    all-gather of an `nbytes` buffer, hierarchically (module docstring)."""
+    local = members_per_node(group, stride, node)
+    nodes = -(-group // local)
+    return nbytes * (local - 1) / local, nbytes / local * (nodes - 1) / nodes
+
+
+def split_all_to_all(nbytes: float, group: int, node: int) -> tuple[float, float]:
+    """(bytes over NVLink, bytes over the network) one GPU sends in an all-to-all over
+    consecutive ranks, its `nbytes` spread evenly over the group (itself included)."""
+    local = members_per_node(group, 1, node)
+    return nbytes * (local - 1) / group, nbytes * (group - local) / group
+
+
+@dataclass(frozen=True, kw_only=True)
+class Links:
+    """Bandwidths per GPU and direction (GB/s), the node size, a latency per collective."""
+
+    nvlink_gbps: float
+    internode_gbps: float
+    gpus_per_node: int = 8
+    latency_us: float = 10.0
+    efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("nvlink_gbps", "internode_gbps", "gpus_per_node", "efficiency"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"links {name} ({getattr(self, name)}) must be > 0")
+
+    def transfer_s(self, intra: float, inter: float, *, concurrent: bool) -> float:
+        """Seconds to send `intra` bytes over NVLink and `inter` over the network, both links at
+        once (`concurrent`) or one after the other; no latency."""
+        t_intra = intra / (self.nvlink_gbps * 1e9 * self.efficiency)
+        t_inter = inter / (self.internode_gbps * 1e9 * self.efficiency)
+        return max(t_intra, t_inter) if concurrent else t_intra + t_inter
+
+    def reduce_scatter_s(self, nbytes: float, group: int, stride: int = 1) -> float:
+        """A reduce-scatter of an `nbytes` input (also the time of an all-gather of an `nbytes`
+        output) over `group` ranks `stride` apart."""
+        if group == 1:
+            return 0.0
+        intra, inter = split_collective(nbytes, group, stride, self.gpus_per_node)
+        return self.transfer_s(intra, inter, concurrent=False) + self.latency_us * 1e-6
+
+    all_gather_s = reduce_scatter_s
+
+    def all_reduce_s(self, nbytes: float, group: int, stride: int = 1) -> float:
+        """A ring all-reduce: a reduce-scatter and an all-gather of the same buffer."""
+        return 2 * self.reduce_scatter_s(nbytes, group, stride)
+
+    def all_to_all_s(self, nbytes: float, group: int) -> float:
+        """An all-to-all of a rank's `nbytes` payload over `group` consecutive ranks."""
+        if group == 1:
+            return 0.0
+        intra, inter = split_all_to_all(nbytes, group, self.gpus_per_node)
+        return self.transfer_s(intra, inter, concurrent=True) + self.latency_us * 1e-6
