@@ -37,7 +37,8 @@ def add_bench_parser(sub) -> None:
         "--micro-batches",
         type=int,
         default=1,
-        help="micro-batches per timed step (gradient accumulation; 1: the peers' setting)",
+        help="micro-batches per timed step (gradient accumulation; 1: the peers' setting); with "
+        "--project, per rank and step",
     )
     p.add_argument("--compare", choices=["hf", "hf-compiled"], action="append", default=[])
     p.add_argument(
@@ -66,7 +67,6 @@ def add_bench_parser(sub) -> None:
     )
     g.add_argument("--project-presets", nargs="+", default=PROJECT_PRESETS, metavar="PRESET")
     g.add_argument("--gpus", type=int, default=8)
-    g.add_argument("--microbatches", type=int, default=1, help="micro-batches per rank and step")
     g.add_argument(
         "--link-efficiency",
         type=float,
@@ -218,7 +218,7 @@ def run_calibrate_and_project(args: argparse.Namespace, device) -> int:
             configs,
             gpus=args.gpus,
             optimizer=optimizer,
-            microbatches=args.microbatches,
+            microbatches=args.micro_batches,
             out_dir=str(out) if out is not None else None,
             efficiency=args.link_efficiency,
             print_fn=say,
