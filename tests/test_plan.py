@@ -41,7 +41,8 @@ def _zero1_bytes(model: nn.Module, dp: int, ep: int) -> tuple[int, int]:
     without processes: each sync group's parameters (dense over dp, experts over dp / ep) in one
     flat bucket padded to equal shards of a multiple of SHARD_ALIGN; the rank's shard gets an
     fp32 master and AdamW's state after one step (its 0-dim `step` counters left out), and a
-    gradient shard in the parameters' dtype when the group has more than one rank."""
+    gradient shard in fp32 (`precision.grad_dtype`'s default) when the group has more than one
+    rank."""
     grad_shards, masters = 0, []
     for is_expert, size in ((False, dp), (True, dp // ep)):
         params = [
@@ -51,7 +52,7 @@ def _zero1_bytes(model: nn.Module, dp: int, ep: int) -> tuple[int, int]:
         shard = flat.numel()
         if size > 1:
             shard = -(-flat.numel() // (size * SHARD_ALIGN)) * SHARD_ALIGN
-            grad_shards += shard * params[0].element_size()
+            grad_shards += shard * 4
         padded = nn.functional.pad(flat, (0, shard * size - flat.numel()))
         master = nn.Parameter(padded.chunk(size)[-1].clone())
         master.grad = torch.randn_like(master)
@@ -77,12 +78,11 @@ def test_param_grad_optimizer_bytes_match_materialized_tiny(pp, ep):
         for stage in range(pp):
             rank = stage * dp + dp - 1  # the stage's last rank: the last expert slice
             model = _materialize(config, layout, rank)
-            for p in model.parameters():  # what autograd allocates (a real backward: below)
-                p.grad = torch.zeros_like(p)
             grad_shards, optimizer = _zero1_bytes(model, dp, ep)
             mem = P.stage_memory(config, layout, stage, num_micro=1)
             assert mem.params == _nbytes(model.parameters())
-            assert mem.grads == _nbytes(p.grad for p in model.parameters()) + grad_shards
+            buckets = sum(4 * p.numel() for p in model.parameters())  # fp32 gradient buckets
+            assert mem.grads == buckets + grad_shards
             assert mem.optimizer == optimizer
 
 
@@ -94,7 +94,9 @@ def test_memory_equals_the_sharded_optimizers_buffers_on_one_rank(pp):
     for stage in range(pp):
         model = _materialize(config, layout, stage)
         groups = build_param_groups(model, config.train)
-        opt = ShardedAdamW(groups, dense_group=None, expert_group=None, lr=1e-3)
+        opt = ShardedAdamW(
+            groups, dense_group=None, expert_group=None, lr=1e-3, grad_dtype=torch.float32
+        )
         held = sum(
             _nbytes([b.params_flat, b.grads_flat, b.master, b.exp_avg, b.exp_avg_sq])
             for b in opt.buckets
@@ -115,8 +117,11 @@ def test_backward_gives_every_parameter_a_gradient_of_its_dtype():
     for model in (first, last):
         for p in model.parameters():
             assert p.grad is not None and p.grad.dtype == p.dtype == torch.bfloat16
-    total = P.stage_memory(config, layout, 0, 1).grads + P.stage_memory(config, layout, 1, 1).grads
-    assert total == 2 * param_counts(config).total
+    # ShardedAdamW adds them into fp32 buckets (precision.grad_dtype=fp32), or keeps their dtype
+    for grad_dtype, size in (("fp32", 4), ("bf16", 2)):
+        c = config.with_overrides([f"precision.grad_dtype={grad_dtype}"])
+        total = P.stage_memory(c, layout, 0, 1).grads + P.stage_memory(c, layout, 1, 1).grads
+        assert total == size * param_counts(config).total
 
 
 def _saved_bytes(model: nn.Module, fn) -> int:

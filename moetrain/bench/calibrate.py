@@ -210,11 +210,17 @@ CHECK_HEADER = (
 )
 
 
-def check(config: RunConfig, calibration: cal.Calibration, optimizer: str, **bench_kw) -> Check:
+CHECK_OPTIMIZER = "mixed"  # with train.optimizer=sharded: what the planner's memory model holds
+
+
+def check(config: RunConfig, calibration: cal.Calibration, **bench_kw) -> Check:
     """Plan `config` on one GPU with `calibration` and time it with `moetrain bench`
-    (`bench_kw`: steps, warmup, device)."""
+    (`bench_kw`: steps, warmup, device), in the setting the planner models: ShardedAdamW (flat
+    bf16 parameters, fp32 gradient buckets, master weights and moments)."""
     from moetrain.bench import harness
 
+    optimizer = CHECK_OPTIMIZER
+    config = config.with_overrides(["train.optimizer=sharded"])
     run = harness.bench_config(config, "learned", optimizer)
     cluster = cal.calibrated_cluster(
         Cluster(gpu=GPUS[calibration.gpu], num_gpus=1), calibration, config.name

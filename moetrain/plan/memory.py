@@ -111,14 +111,16 @@ class PrecisionBytes:
 
 
 def precision_bytes(config: RunConfig) -> PrecisionBytes:
-    """auto: the GPU recipe (bf16 parameters and gradients, fp32 master and moments).
-    Gradients have the parameters' dtype: that is what autograd writes into `p.grad`."""
+    """auto: the GPU recipe (bf16 parameters, fp32 master and moments). Gradients live in
+    ShardedAdamW's flat buckets, in fp32 with `precision.grad_dtype=fp32` (the default; see
+    `train.build.resolve_grad_dtype`), else in the parameters' dtype."""
     p = config.precision
     if p.param_dtype == "fp32":
         return PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4)
+    grad = 4 if p.grad_dtype == "fp32" else 2
     if p.master_weights:
-        return PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2)
-    return PrecisionBytes(param=2, grad=2, master=0, moments=4, activation=2)
+        return PrecisionBytes(param=2, grad=grad, master=4, moments=8, activation=2)
+    return PrecisionBytes(param=2, grad=grad, master=0, moments=4, activation=2)
 
 
 def shard_numel(numel: int, shards: int) -> int:

@@ -123,14 +123,13 @@ def comm_terms(
     K = config.moe.top_k
     num_local = local_experts(config, layout, gpus)
     dense, experts = rank_model_params(config, num_local)
-    grad_bytes = 4 if config.precision.grad_dtype == "fp32" and b.grad == 2 else b.grad
-    if layout == "fsdp2":
+    if layout == "fsdp2":  # no mixed-precision policy: gradients reduce in the parameters' dtype
         lp, L = layer_params(config), _num_moe(config)  # every block of the presets is MoE
         block, root = lp.moe_layer.total, lp.outside.total
         root_gather = links.all_gather_s(root * b.param, gpus)
-        root_scatter = links.reduce_scatter_s(root * b.grad, gpus)
+        root_scatter = links.reduce_scatter_s(root * b.param, gpus)
         block_gather = links.all_gather_s(block * b.param, gpus)
-        block_scatter = links.reduce_scatter_s(block * b.grad, gpus)
+        block_scatter = links.reduce_scatter_s(block * b.param, gpus)
         return [
             CommTerm("root all-gather (first, exposed)", microbatches * root_gather, "none"),
             CommTerm("forward all-gathers", microbatches * L * block_gather, "forward"),
@@ -148,9 +147,9 @@ def comm_terms(
     edp = gpus // ep
     groups = ((dense, gpus, 1), (experts, edp, ep))
     if layout == "ep-replicated":
-        sync = sum(links.all_reduce_s(n * grad_bytes, g, s) for n, g, s in groups)
+        sync = sum(links.all_reduce_s(n * b.grad, g, s) for n, g, s in groups)
         return [*terms, CommTerm("gradient all-reduce", sync, "backward")]
-    scatter = sum(links.reduce_scatter_s(n * 4, g, s) for n, g, s in groups)
+    scatter = sum(links.reduce_scatter_s(n * b.grad, g, s) for n, g, s in groups)
     gather = sum(links.all_gather_s(n * b.param, g, s) for n, g, s in groups)
     return [
         *terms,
@@ -167,22 +166,21 @@ def state_delta_bytes(config: RunConfig, layout: str, gpus: int) -> float:
     dense, experts = rank_model_params(config, num_local)
     total = dense + experts
     states = b.master + b.moments
-    fp32_buffers = config.precision.grad_dtype == "fp32" and b.grad == 2
-    if layout == "ep-replicated":
-        buffers = 4 * total if fp32_buffers else 0
+    if layout == "ep-replicated":  # GradientSync's buffers when they are fp32 (accumulate mode)
+        buffers = b.grad * total if b.grad > b.param else 0
         return buffers + _ep_saved_bytes(config, gpus)
     if layout == "ep-sharded":
         ep = config.moe.num_experts // num_local
         delta = 0.0
         for numel, group in ((dense, gpus), (experts, gpus // ep)):
             shard = numel / group
-            delta += numel * (4 - b.grad)  # fp32 gradient buckets instead of .grad
+            delta += numel * (b.grad - b.param)  # gradient buckets instead of autograd's .grad
             delta += 12 * shard - states * numel  # ShardedAdamW: fp32 master and moments
-            delta += 4 * shard if group > 1 else 0  # the reduce-scatter's output
+            delta += b.grad * shard if group > 1 else 0  # the reduce-scatter's output
         return delta + _ep_saved_bytes(config, gpus)
     lp = layer_params(config)
-    per_param = b.param + b.grad + states
-    gathered = GATHERED_BLOCKS * lp.moe_layer.total * (b.param + b.grad)
+    per_param = 2 * b.param + states  # parameters and their gradients in one dtype
+    gathered = GATHERED_BLOCKS * lp.moe_layer.total * 2 * b.param
     return per_param * total / gpus + gathered - per_param * total
 
 
