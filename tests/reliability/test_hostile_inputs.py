@@ -4,7 +4,7 @@ and fuzz the config loader."""
 
 import pytest
 import yaml
-from _bench import bench
+from _bench import inputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,17 +14,17 @@ from moetrain.config import SECTIONS, RunConfig
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(bench.config_dicts)
+@given(inputs.config_dicts)
 def test_config_loader_builds_or_names_the_problem(data):
     """Random sections, keys (field names, junk, non-strings) and value types: from_dict builds a
     RunConfig or raises a ValueError naming a field or section, never another exception."""
-    if bench.check_config_dict(data):
+    if inputs.check_config_dict(data):
         RunConfig.from_dict(RunConfig.from_dict(data).to_dict())  # what it built round-trips
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.sampled_from([f"{s}.{f}" for s in SECTIONS for f in bench.FIELDS[s]] + ["name", "x.y"]),
+    st.sampled_from([f"{s}.{f}" for s in SECTIONS for f in inputs.FIELDS[s]] + ["name", "x.y"]),
     st.text(max_size=12),
 )
 def test_overrides_build_or_name_the_field(key, raw):
@@ -40,7 +40,7 @@ def test_broken_inputs_to_a_run_with_a_checkpoint(tmp_path, module_cache):
     another model shape, an unknown config key and a wrongly typed value, each given to
     `--resume` of a run that has a checkpoint, and an empty input to prepare: a ValueError that
     names the problem, and the run's checkpoints untouched."""
-    outcome = bench.hostile_inputs(tmp_path)
+    outcome = inputs.hostile_inputs(tmp_path)
     assert outcome.injected == outcome.survived == 8, outcome.details
 
 

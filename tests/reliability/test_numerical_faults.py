@@ -8,7 +8,7 @@ from collections import deque
 import numpy as np
 import pytest
 import torch
-from _bench import bench
+from _bench import harness, numerical
 from conftest import run_distributed
 
 from moetrain.presets import tiny
@@ -75,7 +75,7 @@ def test_each_numerical_fault_is_skipped_counted_and_training_goes_on(tmp_path, 
     change at that step, they change at the next, skipped_steps (and spike_steps) count it, and
     the run completes. Then 3 spikes or 3 inf losses in a row with max_bad_steps=3: step-14 is
     saved and TrainingStopped names the cause."""
-    *single, stop = bench.numerical_faults(tmp_path)
+    *single, stop = numerical.numerical_faults(tmp_path)
     assert [r.fault for r in single] == [
         "inf loss at one step",
         "nan loss at one step",
@@ -90,20 +90,20 @@ def test_each_numerical_fault_is_skipped_counted_and_training_goes_on(tmp_path, 
 
 def test_spike_detection_alone_changes_nothing(tmp_path, module_cache):
     """With no spike in the run, enabling detection leaves every loss bitwise the same."""
-    bench.train_tiny(tmp_path / "off", 16)
-    on = bench.train_tiny(tmp_path / "on", 16, *bench.SPIKE)
+    harness.train_tiny(tmp_path / "off", 16)
+    on = harness.train_tiny(tmp_path / "on", 16, *numerical.SPIKE)
     assert on.spike_total == 0 and int(on.spikes.count) == 16
-    assert bench.losses(tmp_path / "on") == bench.losses(tmp_path / "off")
+    assert harness.losses(tmp_path / "on") == harness.losses(tmp_path / "off")
 
 
 def test_the_loss_window_is_restored_on_resume(tmp_path, module_cache):
     """The window travels in trainer.json, so a resumed run judges later steps exactly as an
     uninterrupted one would."""
-    full = bench.train_tiny(tmp_path / "full", 14, *bench.SPIKE)
-    bench.train_tiny(tmp_path / "part", 8, *bench.SPIKE)
-    resumed = bench.train_tiny(tmp_path / "part", 14, *bench.SPIKE)
+    full = harness.train_tiny(tmp_path / "full", 14, *numerical.SPIKE)
+    harness.train_tiny(tmp_path / "part", 8, *numerical.SPIKE)
+    resumed = harness.train_tiny(tmp_path / "part", 14, *numerical.SPIKE)
     assert resumed.resumed_from.name == "step-8"
-    assert bench.losses(tmp_path / "part") == bench.losses(tmp_path / "full")
+    assert harness.losses(tmp_path / "part") == harness.losses(tmp_path / "full")
     assert torch.equal(resumed.spikes.losses_W, full.spikes.losses_W)
     assert int(resumed.spikes.count) == int(full.spikes.count) == 14
 
@@ -115,11 +115,11 @@ def _spike_on_rank0(rank, world, run_dir, cache):
     from moetrain.train.trainer import Trainer
 
     config = tiny().with_overrides(
-        [*bench.BASE, "train.steps=12", "train.micro_batch_size=4", *bench.SPIKE]
+        [*harness.BASE, "train.steps=12", "train.micro_batch_size=4", *numerical.SPIKE]
     )
     trainer = Trainer(config, run_dir, progress=False)
     seen = []
-    with bench.poison("spike" if rank == 0 else "none", {11}, seen):
+    with numerical.poison("spike" if rank == 0 else "none", {11}, seen):
         trainer.train()
     unchanged = all(torch.equal(seen[10][k], seen[11][k]) for k in seen[10])
     return unchanged, trainer.spike_total, seen[-1]["embed.weight"]

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _bench import bench
+from _bench import harness, run_dirs
 
 from moetrain import cli
 from moetrain.train.run_lock import LOCK_FILE, RunDirLocked, RunLock
@@ -21,7 +21,7 @@ def test_resume_on_re_prepared_data_is_an_error(tmp_path, module_cache, capsys):
     """`prepare` into a used token directory needs --overwrite; after it, --resume of the run
     trained on the old tokens stops with an error naming the change (not a loader-state error
     or, worse, a silent run on other data), and so does `eval` of its checkpoint."""
-    outcome = bench.data_replaced(tmp_path)
+    outcome = run_dirs.data_replaced(tmp_path)
     assert outcome.injected == outcome.survived == 2, outcome.details
     capsys.readouterr()
     assert cli.main(["eval", "--checkpoint", str(tmp_path / "replaced_run")]) == 2
@@ -31,7 +31,7 @@ def test_resume_on_re_prepared_data_is_an_error(tmp_path, module_cache, capsys):
 def test_rotation_keeps_the_newest_verified_and_resume_names_unverifiable(tmp_path, module_cache):
     """step-4 corrupt: resume falls back to step-2, moves step-4 aside, and the rotation after
     the next save keeps step-2 instead of the corrupt one. All corrupt: an error naming them."""
-    outcome = bench.corrupt_rotation(tmp_path)
+    outcome = run_dirs.corrupt_rotation(tmp_path)
     assert (outcome.injected, outcome.survived, outcome.lost) == (2, 2, 0), outcome.details
 
 
@@ -39,8 +39,8 @@ def test_resume_with_no_verifiable_checkpoint_is_an_error_at_the_cli(
     tmp_path, module_cache, capsys
 ):
     run = tmp_path / "run"
-    bench.train_tiny(run, 2)
-    bench._flip_a_byte(run / "checkpoints" / "step-2")
+    harness.train_tiny(run, 2)
+    run_dirs.flip_a_byte(run / "checkpoints" / "step-2")
     code = cli.main(["train", "--quiet", "--resume", "--run-dir", str(run)])
     assert code == 2 and "refusing to start over at step 0" in capsys.readouterr().err
 
@@ -49,7 +49,7 @@ def test_a_second_run_in_a_used_run_dir_is_refused(tmp_path, module_cache):
     """A real training process holds the lock: a concurrent --resume and --overwrite are
     refused while it runs; after a SIGKILL its stale lock does not stop the restart, which
     loses nothing."""
-    outcome = bench.concurrent_runs(tmp_path, module_cache)
+    outcome = run_dirs.concurrent_runs(tmp_path, module_cache)
     assert (outcome.injected, outcome.survived, outcome.lost) == (2, 2, 0), outcome.details
 
 

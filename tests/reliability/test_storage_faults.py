@@ -5,7 +5,7 @@ import errno
 
 import pytest
 import torch
-from _bench import bench
+from _bench import harness, storage
 
 from moetrain import cli
 from moetrain.checkpoint import manager
@@ -16,19 +16,19 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, module_
     """ENOSPC while writing a DCP shard or trainer.json of step-4: a CheckpointError that says
     so and names the checkpoint kept; no step-4 or step-4.tmp is left; step-2 loads; after the
     disk has room again, --resume from step-2 ends exactly where a run without the fault ends."""
-    bench.train_tiny(tmp_path / "reference", 6)
+    harness.train_tiny(tmp_path / "reference", 6)
     run = tmp_path / "run"
-    bench.train_tiny(run, 2)
-    with bench.disk_full_in(where), pytest.raises(manager.CheckpointError) as error:
-        bench.train_tiny(run, 4)
+    harness.train_tiny(run, 2)
+    with storage.disk_full_in(where), pytest.raises(manager.CheckpointError) as error:
+        harness.train_tiny(run, 4)
     assert "saving checkpoint step-4" in str(error.value)
     assert "no space left on device" in str(error.value)
     assert f"still {run / 'checkpoints' / 'step-2'}" in str(error.value)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
     assert manager.latest(run / "checkpoints").name == "step-2"
-    assert bench.checkpoint_tensors(run / "checkpoints" / "step-2")  # complete and loadable
-    bench.train_tiny(run, 6)
-    assert bench.lost_steps(run, tmp_path / "reference") == 0
+    assert harness.checkpoint_tensors(run / "checkpoints" / "step-2")  # complete and loadable
+    harness.train_tiny(run, 6)
+    assert harness.lost_steps(run, tmp_path / "reference") == 0
 
 
 def test_save_error_names_a_non_disk_cause(tmp_path, monkeypatch):
@@ -47,7 +47,7 @@ def test_save_error_names_a_non_disk_cause(tmp_path, monkeypatch):
 def test_unwritable_run_dir_is_an_error_before_training(tmp_path, module_cache, capsys):
     """A run directory that cannot be created: the Trainer raises a CheckpointError naming it
     before building anything, and the CLI turns it into exit code 2 with that message."""
-    outcome = bench.unwritable_run_dir(tmp_path)
+    outcome = storage.unwritable_run_dir(tmp_path)
     assert outcome.survived == 1, outcome.details
     run_dir = tmp_path / "not_a_directory" / "cli_run"
     code = cli.main(["train", "--preset", "tiny", "--quiet", "--run-dir", str(run_dir)])
@@ -58,5 +58,5 @@ def test_unwritable_run_dir_is_an_error_before_training(tmp_path, module_cache, 
 def test_bit_rot_in_the_newest_checkpoint_falls_back_to_the_previous(tmp_path, module_cache):
     """A flipped byte or a truncated shard in step-4: --resume skips it (hash or size mismatch)
     and resumes from step-2, ending where a fault-free run ends."""
-    outcome = bench.bit_rot(tmp_path)
+    outcome = storage.bit_rot(tmp_path)
     assert (outcome.injected, outcome.survived, outcome.lost) == (2, 2, 0)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _bench import bench
+from _bench import harness, untrusted
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from moetrain.checkpoint import manager
@@ -53,14 +53,14 @@ def test_the_allowlist_covers_what_real_checkpoints_reference(tmp_path, module_c
     checkpoints resume through the restricted reader."""
     for optimizer in ("adamw", "sharded"):
         run = tmp_path / optimizer
-        bench.train_tiny(run, 2, f"train.optimizer={optimizer}")
+        harness.train_tiny(run, 2, f"train.optimizer={optimizer}")
         with open(run / "checkpoints" / "step-2" / ".metadata", "rb") as f:
             recorder = _Recorder(f)
             recorder.load()
         for module, name in recorder.globals:
             is_dtype = module == "torch" and isinstance(getattr(torch, name), torch.dtype)
             assert is_dtype or name in manager._METADATA_GLOBALS[module], (module, name)
-        resumed = bench.train_tiny(run, 4, f"train.optimizer={optimizer}")
+        resumed = harness.train_tiny(run, 4, f"train.optimizer={optimizer}")
         assert resumed.resumed_from.name == "step-2" and resumed.step == 4
 
 
@@ -72,7 +72,7 @@ def test_a_code_running_metadata_pickle_is_refused(tmp_path, nested):
     manager.save(tmp_path, 1, _state(1), {"step": 1}, "")
     path = tmp_path / "step-1"
     marker = tmp_path / "pwned"
-    bench.plant_metadata_payload(path, marker, nested=nested)
+    untrusted.plant_metadata_payload(path, marker, nested=nested)
     manager.verify(path)  # the attacker made the hashes match
     with pytest.raises(manager.CheckpointError, match=r"\.metadata is not a checkpoint metadata"):
         manager.load(path, _empty())
@@ -89,7 +89,7 @@ def test_a_code_running_value_in_a_shard_is_refused(tmp_path):
     manager.save(tmp_path, 1, _state(1), {"step": 1}, "")
     path = tmp_path / "step-1"
     marker = tmp_path / "pwned"
-    bench.plant_value_payload(path, "optim.step", marker)
+    untrusted.plant_value_payload(path, "optim.step", marker)
     with pytest.raises(manager.CheckpointError, match=r"optim\.step is not a plain value"):
         manager.load(path, _empty())
     assert not marker.exists()
@@ -103,7 +103,7 @@ def test_a_code_running_value_in_a_shard_is_refused(tmp_path):
 def test_resume_init_from_and_export_refuse_hostile_checkpoints(tmp_path, module_cache):
     """The trainer's --resume and --init-from and the Hugging Face export all read checkpoints
     through the safe paths: each refuses a planted payload, which never runs."""
-    outcome = bench.hostile_checkpoints(tmp_path)
+    outcome = untrusted.hostile_checkpoints(tmp_path)
     assert outcome.injected == outcome.survived == 4, outcome.details
 
 
@@ -127,6 +127,6 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
     info = metadata.storage_data[index]
     metadata.storage_data[index] = dataclasses.replace(info, relative_path="../../secret.distcp")
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
-    bench.rewrite_manifest(path)
+    untrusted.rewrite_manifest(path)
     with pytest.raises(manager.CheckpointError, match=r"outside its directory: '\.\./\.\./secret"):
         manager.load(path, _empty())
