@@ -38,6 +38,7 @@ from moetrain.data import (
     check_same_data,
     data_fingerprint,
     open_data,
+    resolve_eos_id,
     resolve_vocab_size,
     source_labels,
 )
@@ -82,7 +83,7 @@ class Trainer:
         progress: bool = True,
         overwrite: bool = False,
     ) -> None:
-        config = resolve_vocab_size(config)  # unset: from the tokenizer
+        config = resolve_eos_id(resolve_vocab_size(config))  # unset: from the tokenizer
         if config.train.wandb_project is not None:  # a missing package fails now, not at step 1
             import_wandb(config.train.wandb_project)
         self.config = config
