@@ -78,12 +78,24 @@ class DocumentMask:
         """Softmax attention of each query over the keys its document shows it, (B, N, S, H)."""
         gqa = q_BNSH.shape[1] != k_BGSH.shape[1]
         if self.block_mask is not None:
+            q_BNSH, k_BGSH, v_BGSH = (_own_rows(t) for t in (q_BNSH, k_BGSH, v_BGSH))
             return compiled_flex_attention()(
                 q_BNSH, k_BGSH, v_BGSH, block_mask=self.block_mask, enable_gqa=gqa
             )
         return F.scaled_dot_product_attention(
             q_BNSH, k_BGSH, v_BGSH, attn_mask=self.dense_mask(), enable_gqa=gqa
         )
+
+
+def _own_rows(x_BNSH: torch.Tensor) -> torch.Tensor:
+    """x itself, or a copy when its rows are a view into wider ones (v split off the fused qkv
+    projection on the unfused path). Compiled into a block with q and k computed from the same
+    projection, FlexAttention read such a v wrongly (torch 2.13, Inductor on CPU: off by O(1);
+    2.11 reads it right); a tensor of its own reads right. The fused path's v is its own."""
+    B, N, S, H = x_BNSH.shape
+    if x_BNSH.stride(2) == N * H and x_BNSH.stride(3) == 1 or x_BNSH.is_contiguous():
+        return x_BNSH
+    return x_BNSH.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def document_block_mask(ids_BS: torch.Tensor, block: int = BLOCK) -> BlockMask:
