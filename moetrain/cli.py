@@ -31,11 +31,12 @@ def version() -> str:
 
 def load_config(args: argparse.Namespace) -> RunConfig:
     """--preset (default: demo) and/or CONFIG.yaml layered on it (or on the preset it names),
-    then --set overrides; an unset model.vocab_size is taken from the tokenizer."""
-    from moetrain.data.loader import resolve_vocab_size
+    then --set overrides; an unset model.vocab_size (and, with document masking, data.eos_id)
+    is taken from the tokenizer."""
+    from moetrain.data.loader import resolve_eos_id, resolve_vocab_size
 
     config = layered_config(args.preset, getattr(args, "config", None))
-    return resolve_vocab_size(config.with_overrides(args.set or []))
+    return resolve_eos_id(resolve_vocab_size(config.with_overrides(args.set or [])))
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -291,10 +291,34 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
     val_fraction: float = 0.05
     random_tokens: bool = False  # uniform random token ids (benchmarks only)
+    # attention stays within the documents of a packed sequence (EOS-separated; nn/documents.py)
+    document_masking: bool = False
+    # with document_masking: RoPE positions count from 0 at each document start
+    reset_positions: bool = False
+    # the id that separates documents; None: the tokenizer's EOS (resolve_eos_id). Set it only
+    # with document_masking; with random_tokens it must be set (benchmarks)
+    eos_id: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             _fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        if self.reset_positions and not self.document_masking:
+            _fail("data.reset_positions", True, "needs data.document_masking=true")
+        if self.eos_id is not None and not self.document_masking:
+            _fail(
+                "data.eos_id",
+                self.eos_id,
+                "is read by document masking only; set data.document_masking=true or leave it null",
+            )
+        if self.eos_id is not None and self.eos_id < 0:
+            _fail("data.eos_id", self.eos_id, "must be >= 0")
+        if self.document_masking and self.random_tokens and self.eos_id is None:
+            _fail(
+                "data.document_masking",
+                True,
+                "needs data.eos_id with data.random_tokens (random ids have no tokenizer, hence "
+                "no EOS to separate documents by)",
+            )
         if not self.sources:
             return
         if self.path is not None:
@@ -367,6 +391,9 @@ class RunConfig:
                 self.parallel.pp,
                 f"must be <= model.num_layers ({self.model.num_layers})",
             )
+        eos, vocab = self.data.eos_id, self.model.vocab_size
+        if eos is not None and vocab is not None and eos >= vocab:
+            _fail("data.eos_id", eos, f"must be < model.vocab_size ({vocab})")
         if self.train.global_batch_tokens is not None:
             micro = self.train.micro_batch_size * self.train.seq_len * (self.parallel.dp or 1)
             if self.train.global_batch_tokens % micro:

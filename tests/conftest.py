@@ -167,13 +167,15 @@ def assert_within(actual, expected, scale, dtype, ulps: float = 1.0, rel: float 
     assert worst <= 0, f"error exceeds its bound by {worst:.3g} (max error {err.max().item():.3g})"
 
 
-def two_source_mix(tmp_path: Path) -> str:
-    """Two small byte-level token directories, as a data.sources override (70/30)."""
+def two_source_mix(tmp_path: Path, repeats: int = 40, num_docs: int = 40) -> str:
+    """Two small byte-level token directories, as a data.sources override (70/30): num_docs
+    documents each, of a phrase said `repeats` times (~20 bytes a time)."""
     from moetrain.data import prepare
 
     paths = []
     for name, word in (("web", "the quick brown fox"), ("code", "def f(x): return x + 1")):
         src = tmp_path / f"{name}.jsonl"
-        src.write_text("".join(json.dumps({"text": f"{word} {i} " * 40}) + "\n" for i in range(40)))
+        docs = (json.dumps({"text": f"{word} {i} " * repeats}) + "\n" for i in range(num_docs))
+        src.write_text("".join(docs))
         paths.append(prepare([src], tmp_path / name, progress=False))
     return f"data.sources=[{{path: {paths[0]}, weight: 0.7}}, {{path: {paths[1]}, weight: 0.3}}]"

@@ -119,3 +119,26 @@ def test_expert_gemm_widths_are_checked_at_start_up(field, value):
     silent per-expert loop at every step."""
     with pytest.raises(ValueError, match=f"{field}.*multiple of 8"):
         tiny().with_overrides([f"{field}={value}", "model.num_heads=4"])
+
+
+def test_document_masking_rules_and_the_eos_id_from_the_data(tmp_cache):
+    from moetrain.data import resolve_eos_id
+
+    masking = ["data.document_masking=true"]
+    for overrides, message in (
+        (["data.reset_positions=true"], r"data\.reset_positions.*document_masking=true"),
+        (["data.eos_id=3"], r"data\.eos_id \(3\) is read by document masking only"),
+        ([*masking, "data.random_tokens=true"], r"data\.document_masking.*needs data\.eos_id"),
+        ([*masking, "data.eos_id=320"], r"data\.eos_id \(320\) must be < model\.vocab_size"),
+        ([*masking, "data.eos_id=-1"], r"data\.eos_id \(-1\) must be >= 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tiny().with_overrides(overrides)
+    random = tiny().with_overrides([*masking, "data.random_tokens=true", "data.eos_id=5"])
+    assert resolve_eos_id(random) == random  # benchmarks: the id as given
+    assert resolve_eos_id(tiny()) == tiny()  # off: nothing resolved, nothing read
+    resolved = resolve_eos_id(tiny().with_overrides(masking))  # the embedded byte corpus
+    assert resolved.data.eos_id == 256
+    assert resolve_eos_id(resolved) == resolved
+    with pytest.raises(ValueError, match=r"data\.eos_id \(5\) differs from the EOS id.*\(256\)"):
+        resolve_eos_id(tiny().with_overrides([*masking, "data.eos_id=5"]))

@@ -10,6 +10,7 @@ from moetrain.data.loader import (
     check_same_data,
     data_fingerprint,
     open_data,
+    resolve_eos_id,
     resolve_vocab_size,
 )
 from moetrain.data.mix import MixedLoader, source_labels
@@ -43,6 +44,7 @@ __all__ = [
     "open_data",
     "prepare",
     "read_meta",
+    "resolve_eos_id",
     "resolve_vocab_size",
     "source_labels",
     "split_documents",

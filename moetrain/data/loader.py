@@ -11,7 +11,8 @@ ints that do not depend on the rank, and resuming from it yields bitwise the sam
 `RandomTokenLoader` produces uniform random ids for benchmarks, with the same interface.
 `open_data` turns a `DataConfig` into validated train/val token arrays and their tokenizer;
 `data_fingerprint` names their content, and `check_same_data` compares it with a checkpoint's;
-`resolve_vocab_size` takes an unset model.vocab_size from the tokenizer. With `data.sources`
+`resolve_vocab_size` takes an unset model.vocab_size from the tokenizer, `resolve_eos_id` the
+EOS id that document masking separates documents by. With `data.sources`
 (a mix, moetrain.data.mix) `open_data` returns one array per source and every source must have
 been prepared with the same tokenizer.
 """
@@ -275,6 +276,32 @@ def resolve_vocab_size(config: RunConfig) -> RunConfig:
         size = load_tokenizer(config.data.tokenizer).vocab_size
     vocab = -(-size // 64) * 64
     return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
+
+
+def resolve_eos_id(config: RunConfig) -> RunConfig:
+    """`config` with data.eos_id set when data.document_masking is on: the EOS id of the token
+    directory or directories (meta.json), or of data.tokenizer for the embedded corpus. A given
+    data.eos_id must be that id (random tokens take it as given). Off: `config` unchanged."""
+    d = config.data
+    if not d.document_masking or d.random_tokens:
+        return config
+    if d.sources:
+        where, eos = "data.sources", check_same_vocabulary(d).get("eos_id")
+    elif d.path is not None:
+        where, eos = f"data.path ({d.path})", read_meta(d.path).get("eos_id")
+    else:
+        where, eos = f"data.tokenizer ({d.tokenizer})", load_tokenizer(d.tokenizer).eos_id
+    if eos is None:
+        raise ValueError(
+            f"data.document_masking (True): {where} records no EOS id, so its documents cannot "
+            "be told apart; prepare the data again with a tokenizer that has one"
+        )
+    if d.eos_id is not None and d.eos_id != eos:
+        raise ValueError(
+            f"data.eos_id ({d.eos_id}) differs from the EOS id of {where} ({eos}); leave "
+            "data.eos_id null to use the data's"
+        )
+    return dataclasses.replace(config, data=dataclasses.replace(d, eos_id=int(eos)))
 
 
 def data_fingerprint(cfg: DataConfig) -> str | None:

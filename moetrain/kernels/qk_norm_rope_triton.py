@@ -5,7 +5,8 @@ qkv = [q | k | v] (plain-torch twin: `moetrain.nn.attention.qk_norm_rope_referen
 Letters: B batch, S sequence, N heads, H head dim, D = N*H (q's width; k and v are kv wide),
 M = B*S rows, C = D/2 rotation pairs, P programs. The RMSNorm runs over the whole row of q (all
 heads), and of k, then each head's halves [a | b] rotate by the angle of the row's position s (its
-index along S), with the fp32 tables cos_SH, sin_SH of `RotaryEmbedding` (S, H/2):
+index along S, or its entry of an optional int tensor `positions` (B, S): document masking's
+positions reset per document), with the fp32 tables cos_SH, sin_SH of `RotaryEmbedding` (S, H/2):
 
     a', b' = (x * rstd * weight) at columns n*H + i and n*H + H/2 + i     # pair c = n*H/2 + i
     y_a = a' cos - b' sin,  y_b = b' cos + a' sin                         # fp32, rounded once
@@ -62,13 +63,14 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @_jit
 def _qk_norm_rope_forward_kernel(
-    x_ptr, weight_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr, copy_src_ptr, copy_dst_ptr,
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, rstd_ptr, copy_src_ptr, copy_dst_ptr,
     num_rows, seq_len, D, stride_x, stride_table, stride_copy_src, eps,
     HALF_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_C: tl.constexpr,
-    HAS_COPY: tl.constexpr,
+    HAS_COPY: tl.constexpr, HAS_POS: tl.constexpr,
 ):  # fmt: skip
     """y and rstd of BLOCK_M rows; with HAS_COPY also the same rows of another (rows, D) tensor
-    copied to a contiguous one (attention's v, while its rows are at hand)."""
+    copied to a contiguous one (attention's v, while its rows are at hand). A row's position is
+    its index mod seq_len, or with HAS_POS its entry of pos (the table row it reads)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < num_rows
     pairs = tl.arange(0, BLOCK_C)
@@ -84,7 +86,11 @@ def _qk_norm_rope_forward_kernel(
     w_b = tl.load(weight_ptr + col_a + HALF_H, mask=pair_mask, other=0.0).to(tl.float32)
     a = a * rstd[:, None] * w_a[None, :]
     b = b * rstd[:, None] * w_b[None, :]
-    table = (rows % seq_len)[:, None] * stride_table + freq[None, :]
+    if HAS_POS:
+        position = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        position = rows % seq_len
+    table = position[:, None] * stride_table + freq[None, :]
     cos = tl.load(cos_ptr + table, mask=mask, other=0.0)
     sin = tl.load(sin_ptr + table, mask=mask, other=0.0)
     y_ptrs = y_ptr + rows[:, None] * D + col_a[None, :]
@@ -100,11 +106,12 @@ def _qk_norm_rope_forward_kernel(
 
 @_jit
 def _qk_norm_rope_backward_kernel(
-    grad_y_ptr, x_ptr, weight_ptr, rstd_ptr, cos_ptr, sin_ptr, grad_x_ptr, partial_ptr,
+    grad_y_ptr, x_ptr, weight_ptr, rstd_ptr, cos_ptr, sin_ptr, pos_ptr, grad_x_ptr, partial_ptr,
     copy_src_ptr, num_rows, seq_len, D, stride_grad_y, stride_x, stride_table, stride_grad_x,
     grad_x_col, stride_copy_src, copy_col,
     HALF_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, EVEN_C: tl.constexpr, HAS_COPY: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     """grad_x of TILES_PER_PROGRAM tiles of BLOCK_M rows, at column grad_x_col of rows of
     stride_grad_x (a slice of attention's qkv gradient); the tiles' grad_weight in partial[p].
@@ -131,7 +138,11 @@ def _qk_norm_rope_backward_kernel(
         x_a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         x_b = tl.load(x_ptrs + HALF_H, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        table = (rows % seq_len)[:, None] * stride_table + freq[None, :]
+        if HAS_POS:
+            position = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            position = rows % seq_len
+        table = position[:, None] * stride_table + freq[None, :]
         cos = tl.load(cos_ptr + table, mask=mask, other=0.0)
         sin = tl.load(sin_ptr + table, mask=mask, other=0.0)
         g_a = gy_a * cos + gy_b * sin  # the transposed rotation
@@ -220,30 +231,31 @@ def launch_config(D: int, tile: int = TILE) -> dict:
 
 def launch_qk_norm_rope_forward(
     x_MD, weight_D, cos_SH, sin_SH, y_MD, rstd_M, seq_len, head_dim, eps, config=None, wrap=None,
-    copy=None,
+    copy=None, positions_M=None,
 ):  # fmt: skip
-    """y_MD and rstd_M of x_MD, whose row m sits at position m % seq_len (contiguous tables);
-    copy = (src_MD, dst_MD) also copies src's rows to the contiguous dst (both D wide). `wrap`
-    is `wrap_triton` inside an op."""
+    """y_MD and rstd_M of x_MD, whose row m sits at position m % seq_len, or positions_M[m]
+    (contiguous tables); copy = (src_MD, dst_MD) also copies src's rows to the contiguous dst
+    (both D wide). `wrap` is `wrap_triton` inside an op."""
     num_rows, D = x_MD.shape
     cfg = config or launch_config(D)
     kernel = wrap(_qk_norm_rope_forward_kernel) if wrap else _qk_norm_rope_forward_kernel
     src, dst = copy if copy is not None else (y_MD, y_MD)  # dummy pointers when unused
+    pos = positions_M if positions_M is not None else rstd_M
     kernel[(triton.cdiv(num_rows, cfg["BLOCK_M"]),)](
-        x_MD, weight_D, cos_SH, sin_SH, y_MD, rstd_M, src, dst,
+        x_MD, weight_D, cos_SH, sin_SH, pos, y_MD, rstd_M, src, dst,
         num_rows, seq_len, D, x_MD.stride(0), cos_SH.stride(0), src.stride(0), eps,
-        HALF_H=head_dim // 2, HAS_COPY=copy is not None, **cfg,
+        HALF_H=head_dim // 2, HAS_COPY=copy is not None, HAS_POS=positions_M is not None, **cfg,
     )  # fmt: skip
 
 
 def launch_qk_norm_rope_backward(
     grad_y_MD, x_MD, weight_D, rstd_M, cos_SH, sin_SH, grad_x_MC, partial_PD, seq_len, head_dim,
-    config=None, wrap=None, grad_x_col=0, copy=None,
+    config=None, wrap=None, grad_x_col=0, copy=None, positions_M=None,
 ):  # fmt: skip
     """grad_x into columns [grad_x_col, grad_x_col + D) of the rows of grad_x_MC and, per
     program p, partial_PD[p] = its rows' part of grad_weight (one program per row of
     partial_PD); copy = (src_MD, col) also copies src's rows to columns [col, col + D) of
-    grad_x_MC."""
+    grad_x_MC; positions_M as in the forward."""
     num_rows, D = x_MD.shape
     cfg = config or launch_config(D, BACKWARD_TILE)
     if "TILES_PER_PROGRAM" not in cfg:
@@ -251,18 +263,22 @@ def launch_qk_norm_rope_backward(
         cfg = dict(cfg, TILES_PER_PROGRAM=tiles)
     kernel = wrap(_qk_norm_rope_backward_kernel) if wrap else _qk_norm_rope_backward_kernel
     src, copy_col = copy if copy is not None else (grad_y_MD, 0)  # a dummy pointer when unused
+    pos = positions_M if positions_M is not None else rstd_M
     kernel[(partial_PD.shape[0],)](
-        grad_y_MD, x_MD, weight_D, rstd_M, cos_SH, sin_SH, grad_x_MC, partial_PD, src,
+        grad_y_MD, x_MD, weight_D, rstd_M, cos_SH, sin_SH, pos, grad_x_MC, partial_PD, src,
         num_rows, seq_len, D, grad_y_MD.stride(0), x_MD.stride(0), cos_SH.stride(0),
         grad_x_MC.stride(0), grad_x_col, src.stride(0), copy_col,
-        HALF_H=head_dim // 2, HAS_COPY=copy is not None, **cfg,
+        HALF_H=head_dim // 2, HAS_COPY=copy is not None, HAS_POS=positions_M is not None, **cfg,
     )  # fmt: skip
 
 
 def _check(
-    name: str, qkv: torch.Tensor, cos_SH: torch.Tensor, head_dim: int, kv_width: int
-) -> tuple[int, int]:
+    name: str, qkv: torch.Tensor, cos_SH: torch.Tensor, head_dim: int, kv_width: int,
+    positions: torch.Tensor | None,
+) -> tuple[int, int]:  # fmt: skip
     """(q width, kv width) of a valid (B, S, q + 2 kv) projection."""
+    if positions is not None and (positions.shape != qkv.shape[:2] or positions.dtype not in (torch.int32, torch.int64)):  # fmt: skip
+        raise ValueError(f"{name}: positions must be int32 or int64 of shape {tuple(qkv.shape[:2])}, got {positions.dtype} {tuple(positions.shape)}")  # fmt: skip
     if qkv.dim() != 3 or head_dim % 2 or kv_width <= 0 or kv_width % head_dim:
         raise ValueError(f"{name}: qkv must be (B, S, q + 2 kv) with kv = {kv_width} a multiple of an even head_dim = {head_dim}, got {tuple(qkv.shape)}")  # fmt: skip
     q_width = qkv.shape[-1] - 2 * kv_width
@@ -282,10 +298,13 @@ def _register_ops() -> None:
     def qkv_norm_rope(
         qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos_SH: torch.Tensor,
         sin_SH: torch.Tensor, head_dim: int, kv_width: int, eps: float,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """(q, k normed and rotated, v copied: contiguous (B, S, width) in qkv's dtype; fp32
-        rstd of q and of k, (B, S, 1)) of the projection qkv = [q | k | v]."""
-        D, Dk = _check("qkv_norm_rope", qkv, cos_SH, head_dim, kv_width)
+        rstd of q and of k, (B, S, 1)) of the projection qkv = [q | k | v], each row rotated
+        by the angle of its index along S, or of its entry of positions (B, S)."""
+        D, Dk = _check("qkv_norm_rope", qkv, cos_SH, head_dim, kv_width, positions)
+        pos_M = positions.reshape(-1).contiguous() if positions is not None else None
         B, S, C = qkv.shape
         x_MC = rows_of("qkv_norm_rope", qkv, C, 3 * MAX_D)
         q, k, v = (qkv.new_empty((B, S, width)) for width in (D, Dk, Dk))
@@ -294,12 +313,12 @@ def _register_ops() -> None:
             cos_SH, sin_SH = cos_SH.contiguous(), sin_SH.contiguous()
             launch_qk_norm_rope_forward(
                 x_MC[:, :D], q_weight.contiguous(), cos_SH, sin_SH, q.view(-1, D),
-                rstd_q.view(-1), S, head_dim, eps, wrap=wrap_triton,
+                rstd_q.view(-1), S, head_dim, eps, wrap=wrap_triton, positions_M=pos_M,
             )  # fmt: skip
             launch_qk_norm_rope_forward(
                 x_MC[:, D : D + Dk], k_weight.contiguous(), cos_SH, sin_SH, k.view(-1, Dk),
                 rstd_k.view(-1), S, head_dim, eps, wrap=wrap_triton,
-                copy=(x_MC[:, D + Dk :], v.view(-1, Dk)),
+                copy=(x_MC[:, D + Dk :], v.view(-1, Dk)), positions_M=pos_M,
             )  # fmt: skip
         return q, k, v, rstd_q, rstd_k
 
@@ -308,11 +327,13 @@ def _register_ops() -> None:
         grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, qkv: torch.Tensor,
         q_weight: torch.Tensor, k_weight: torch.Tensor, rstd_q: torch.Tensor,
         rstd_k: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor, head_dim: int,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """(grad_qkv, (B, S, q + 2 kv) in qkv's dtype, written whole by the two launches;
         grad_q_weight, grad_k_weight in the weights' dtype)."""
         kv_width = grad_k.shape[-1]
-        D, Dk = _check("qkv_norm_rope_backward", qkv, cos_SH, head_dim, kv_width)
+        D, Dk = _check("qkv_norm_rope_backward", qkv, cos_SH, head_dim, kv_width, positions)
+        pos_M = positions.reshape(-1).contiguous() if positions is not None else None
         B, S, C = qkv.shape
         x_MC = rows_of("qkv_norm_rope_backward", qkv, C, 3 * MAX_D)
         grad_qkv = qkv.new_empty(qkv.shape)
@@ -331,7 +352,7 @@ def _register_ops() -> None:
                     rows_of("qkv_norm_rope_backward", g, width), x_MC[:, col : col + width],
                     w.contiguous(), rstd.reshape(-1).contiguous(), cos_SH, sin_SH, grad_MC,
                     partial_PD, S, head_dim, wrap=wrap_triton,
-                    grad_x_col=col, copy=copy,
+                    grad_x_col=col, copy=copy, positions_M=pos_M,
                 )  # fmt: skip
             else:
                 partial_PD.zero_()  # no rows: a zero gradient
@@ -339,18 +360,20 @@ def _register_ops() -> None:
         return grad_qkv, grads[0], grads[1]
 
     def setup(ctx, inputs, output):
-        qkv, q_weight, k_weight, cos_SH, sin_SH, head_dim, _, _ = inputs
+        qkv, q_weight, k_weight, cos_SH, sin_SH, head_dim, _, _, *positions = inputs
         ctx.head_dim = head_dim
         ctx.mark_non_differentiable(output[3], output[4])
-        ctx.save_for_backward(qkv, q_weight, k_weight, output[3], output[4], cos_SH, sin_SH)
+        ctx.save_for_backward(
+            qkv, q_weight, k_weight, output[3], output[4], cos_SH, sin_SH, *positions
+        )
 
     def backward(ctx, grad_q, grad_k, grad_v, _grad_rstd_q, _grad_rstd_k):
-        qkv, q_weight, k_weight, rstd_q, rstd_k, cos_SH, sin_SH = ctx.saved_tensors
+        qkv, q_weight, k_weight, rstd_q, rstd_k, cos_SH, sin_SH, *positions = ctx.saved_tensors
         grad_qkv, grad_wq, grad_wk = torch.ops.moetrain.qkv_norm_rope_backward(
             grad_q, grad_k, grad_v, qkv, q_weight, k_weight, rstd_q, rstd_k, cos_SH, sin_SH,
-            ctx.head_dim,
+            ctx.head_dim, *positions,
         )  # fmt: skip
-        return grad_qkv, grad_wq, grad_wk, None, None, None, None, None
+        return grad_qkv, grad_wq, grad_wk, None, None, None, None, None, None
 
     qkv_norm_rope.register_autograd(backward, setup_context=setup)
 
@@ -377,13 +400,15 @@ def supports(qkv: torch.Tensor, cos_SH: torch.Tensor, kv_width: int) -> bool:
 def qkv_norm_rope_triton(
     qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
     cos_SH: torch.Tensor, sin_SH: torch.Tensor, head_dim: int, kv_width: int,
+    positions_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """q and k of the projection qkv = [q | k | v] (B, S, q + 2 kv), each RMS-normed over its
-    row and rotated per head, and v, all contiguous (B, S, width); differentiable in qkv and
-    both weights (op `moetrain::qkv_norm_rope`)."""
+    row and rotated per head (at positions 0..S-1, or at positions_BS: int, each < the tables'
+    length), and v, all contiguous (B, S, width); differentiable in qkv and both weights (op
+    `moetrain::qkv_norm_rope`)."""
     if triton is None:
         raise RuntimeError("Triton is not installed: use moetrain.nn.attention's path instead")
     q, k, v, _, _ = torch.ops.moetrain.qkv_norm_rope(
-        qkv, q_weight, k_weight, cos_SH, sin_SH, head_dim, kv_width, eps
+        qkv, q_weight, k_weight, cos_SH, sin_SH, head_dim, kv_width, eps, positions_BS
     )
     return q, k, v

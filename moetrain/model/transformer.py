@@ -5,6 +5,9 @@ Each block is pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)), where ffn
 (or a dense SwiGLU for the first `num_dense_layers` blocks). Blocks live in a ModuleDict keyed by
 their global index, so a pipeline stage that keeps a subset of them keeps their global names;
 `embed`, `norm` and `lm_head` may be None in stages that do not own them.
+With data.document_masking the forward derives the batch's documents from its token ids once
+(`DocumentMask.from_tokens`, on the device) and every block's attention keeps within them; a
+pipeline stage that takes hidden states is handed the token ids as `input_ids`.
 
 Build on the meta device, parallelize, materialize with `to_empty`, then `init_weights(seed)`.
 Initialization is a pure function of (seed, parameter name, global expert index), so the same seed
@@ -22,6 +25,7 @@ from torch import nn
 from moetrain.config import RunConfig
 from moetrain.moe.layer import MoELayer
 from moetrain.nn.attention import Attention
+from moetrain.nn.documents import DocumentMask
 from moetrain.nn.loss import chunked_linear_cross_entropy
 from moetrain.nn.mlp import SwiGLU
 from moetrain.nn.norm import RMSNorm
@@ -51,8 +55,8 @@ class Block(nn.Module):
         else:
             self.ffn = MoELayer(config.moe, m.d_model, seed=config.train.seed * 1000 + layer_idx)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+    def forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), documents)
         return h_BSD + self.ffn(self.ffn_norm(h_BSD))
 
 
@@ -68,13 +72,37 @@ class Transformer(nn.Module):
             None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
         )
 
-    def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens_or_hidden: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids (B, S) -> final hidden states (B, S, D), normalized if this module owns the
-        final norm. A pipeline stage without the embedding takes hidden states instead."""
+        final norm. A pipeline stage without the embedding takes hidden states instead, and with
+        document masking the batch's token ids as `input_ids`."""
         h_BSD = self.embed(tokens_or_hidden) if self.embed is not None else tokens_or_hidden
+        documents = self._documents(tokens_or_hidden if input_ids is None else input_ids)
         for block in self.blocks.values():
-            h_BSD = block(h_BSD)
+            h_BSD = block(h_BSD) if documents is None else block(h_BSD, documents)
         return self.norm(h_BSD) if self.norm is not None else h_BSD
+
+    def _documents(self, ids_BS: torch.Tensor) -> DocumentMask | None:
+        """The documents of the batch under data.document_masking (block-sparse on CUDA), else
+        None."""
+        d = self.config.data
+        if not d.document_masking:
+            return None
+        if d.eos_id is None:
+            raise ValueError(
+                "data.document_masking needs data.eos_id: build the config through "
+                "moetrain.data.resolve_eos_id, which takes it from the data"
+            )
+        if ids_BS.is_floating_point():
+            raise ValueError(
+                "document masking needs the token ids: pass input_ids to a model (or pipeline "
+                "stage) that takes hidden states"
+            )
+        return DocumentMask.from_tokens(
+            ids_BS, d.eos_id, reset_positions=d.reset_positions, block_sparse=ids_BS.is_cuda
+        )
 
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.embed.weight

@@ -15,6 +15,9 @@ activation dtype between norm and RoPE and applies RoPE with tables in that dtyp
 `qk_norm_rope_reference` is the fused op's plain-torch twin, per tensor.
 `torch.nn.functional.scaled_dot_product_attention` runs the flash or cuDNN kernels on GPU; the
 backend can be pinned, since cuDNN is about twice as fast as flash on Hopper for our shapes.
+Given a `DocumentMask` (data.document_masking, moetrain.nn.documents), attention stays within
+each document of the packed rows (FlexAttention on CUDA, SDPA with a dense mask on CPU) and RoPE
+takes its positions, reset per document when asked; without one the code path is the plain one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moetrain.kernels import qk_norm_rope_triton
+from moetrain.nn.documents import DocumentMask
 from moetrain.nn.norm import RMSNorm, rms_norm_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope
 
@@ -44,16 +48,22 @@ _BACKENDS = {
 
 def qk_norm_rope_reference(
     x_BSD: torch.Tensor, weight: torch.Tensor, eps: float, cos_SH: torch.Tensor,
-    sin_SH: torch.Tensor, head_dim: int,
+    sin_SH: torch.Tensor, head_dim: int, positions_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """RMSNorm of each row of x_BSD (N heads of head_dim), then RoPE of each head at positions
-    0..S-1 with the tables (max_positions, head_dim / 2), in fp32 (fp64 for fp64 inputs), rounded
-    once to x's dtype; differentiable in x and weight."""
+    0..S-1 (or positions_BS) with the tables (max_positions, head_dim / 2), in fp32 (fp64 for
+    fp64 inputs), rounded once to x's dtype; differentiable in x and weight."""
     B, S, D = x_BSD.shape
     acc = torch.promote_types(x_BSD.dtype, torch.float32)
     y_BSD = rms_norm_reference(x_BSD.to(acc), weight, eps)
     y_BNSH = y_BSD.view(B, S, D // head_dim, head_dim).transpose(1, 2)
-    cos_SH, sin_SH = cos_SH[:S].to(acc), sin_SH[:S].to(acc)
+    if positions_BS is None:
+        cos_SH, sin_SH = cos_SH[:S].to(acc), sin_SH[:S].to(acc)
+    else:  # (B, 1, S, head_dim / 2): one table row per position, broadcast over the heads
+        cos_SH, sin_SH = (
+            cos_SH[positions_BS][:, None].to(acc),
+            sin_SH[positions_BS][:, None].to(acc),
+        )
     cos_SD, sin_SD = torch.cat([cos_SH, cos_SH], dim=-1), torch.cat([sin_SH, sin_SH], dim=-1)
     y_BNSH = apply_rope(y_BNSH, cos_SD, sin_SD)
     return y_BNSH.transpose(1, 2).reshape(B, S, D).to(x_BSD.dtype)
@@ -107,23 +117,30 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps) if qk_norm else None
         self.rope = RotaryEmbedding(head_dim, rope_theta, max_positions)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        """Causal attention over the whole row, or within each of its `documents`."""
         B, S, _ = x_BSD.shape
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        q_BNSH, k_BGSH, v_BGSH = self._heads(concat_linear(x_BSD, weights))
+        positions_BS = documents.positions_BS if documents is not None else None
+        q_BNSH, k_BGSH, v_BGSH = self._heads(concat_linear(x_BSD, weights), positions_BS)
         with self._kernel_choice(x_BSD.device):
-            out_BNSH = F.scaled_dot_product_attention(
-                q_BNSH,
-                k_BGSH,
-                v_BGSH,
-                is_causal=True,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
+            if documents is not None:
+                out_BNSH = documents.attend(q_BNSH, k_BGSH, v_BGSH)
+            else:
+                out_BNSH = F.scaled_dot_product_attention(
+                    q_BNSH,
+                    k_BGSH,
+                    v_BGSH,
+                    is_causal=True,
+                    enable_gqa=self.num_kv_heads != self.num_heads,
+                )
         return self.o_proj(out_BNSH.transpose(1, 2).reshape(B, S, -1))
 
-    def _heads(self, qkv_BSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _heads(
+        self, qkv_BSC: torch.Tensor, positions_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the fused projection split into heads, (B, N, S, H) and twice (B, G, S, H),
-        q and k qk-normed and rotated."""
+        q and k qk-normed and rotated (at positions 0..S-1, or positions_BS)."""
         B, S, _ = qkv_BSC.shape
         H, rope = self.head_dim, self.rope
         kv_width = self.num_kv_heads * H
@@ -135,7 +152,7 @@ class Attention(nn.Module):
         if fused:
             q_BSD, k_BSD, v_BSD = qk_norm_rope_triton.qkv_norm_rope_triton(
                 qkv_BSC, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                rope.cos_SH, rope.sin_SH, H, kv_width,
+                rope.cos_SH, rope.sin_SH, H, kv_width, positions_BS,
             )  # fmt: skip
         else:
             q_BSD, k_BSD, v_BSD = qkv_BSC.split([self.num_heads * H, kv_width, kv_width], -1)
@@ -146,7 +163,7 @@ class Attention(nn.Module):
         v_BGSH = v_BSD.view(B, S, self.num_kv_heads, H).transpose(1, 2)
         if fused:
             return q_BNSH, k_BGSH, v_BGSH
-        cos, sin = rope.cos_sin(S, qkv_BSC.dtype)
+        cos, sin = rope.cos_sin(S, qkv_BSC.dtype, positions_BS)
         return apply_rope(q_BNSH, cos, sin), apply_rope(k_BGSH, cos, sin), v_BGSH
 
     def _kernel_choice(self, device: torch.device) -> contextlib.AbstractContextManager:

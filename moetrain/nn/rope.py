@@ -43,13 +43,19 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self._inv_freq(self.inv_freq.device).to(self.inv_freq.dtype)
         self.cos_SH, self.sin_SH = self._tables(self.max_positions)
 
-    def cos_sin(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (seq_len, head_dim)."""
+    def cos_sin(
+        self, seq_len: int, dtype: torch.dtype, positions_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions 0..seq_len-1, shape (seq_len, head_dim); with positions_BS
+        (ints in [0, seq_len)), of those positions, shape (B, 1, seq_len, head_dim), which
+        broadcasts over the heads of (B, heads, seq_len, head_dim)."""
         cached = seq_len <= self.cos_SH.shape[0] and dtype.itemsize <= self.cos_SH.dtype.itemsize
         if cached:
             cos_SH, sin_SH = self.cos_SH[:seq_len], self.sin_SH[:seq_len]
         else:
             cos_SH, sin_SH = self._tables(seq_len)
+        if positions_BS is not None:
+            cos_SH, sin_SH = cos_SH[positions_BS][:, None], sin_SH[positions_BS][:, None]
         cos_SD, sin_SD = torch.cat([cos_SH, cos_SH], dim=-1), torch.cat([sin_SH, sin_SH], dim=-1)
         return cos_SD.to(dtype), sin_SD.to(dtype)
 

@@ -190,8 +190,10 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self.config = model.config
 
     forward = Transformer.forward  # the same math: embed if held -> blocks -> norm if held
+    _documents = Transformer._documents
 
 
 class _Stage(PipelineStage):
@@ -259,10 +261,13 @@ class Pipeline:
     def _run(self, batches: Iterator[Batch], train: bool) -> torch.Tensor:
         inputs_BS, targets_BS = self._next_batch(batches)
         args = (inputs_BS,) if self.has_first else ()
+        # document masking: every stage derives the documents from the token ids, which every
+        # rank has read (schedules hand keyword arguments to every stage, split per micro-batch)
+        kwargs = {"input_ids": inputs_BS} if self.config.data.document_masking else {}
         target = targets_BS if self.has_last else None
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        run(*args, target=target, losses=losses, return_outputs=False)
+        run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not losses:  # not the last stage: it contributes zero to the sum over pp
             return torch.zeros((), dtype=torch.float32, device=self.dims.device)
         return torch.stack([loss.detach() for loss in losses]).sum()

@@ -39,6 +39,7 @@ from moetrain.data import (
     check_same_data,
     data_fingerprint,
     open_data,
+    resolve_eos_id,
     resolve_vocab_size,
     source_labels,
 )
@@ -87,7 +88,7 @@ class Trainer:
         """`model_transform` changes the parallelized model before it is materialized (on the
         meta device; with FSDP after): benchmarks use it to keep one rank's share of a larger
         layout (`moetrain.bench.project`)."""
-        config = resolve_vocab_size(config)  # unset: from the tokenizer
+        config = resolve_eos_id(resolve_vocab_size(config))  # unset: from the tokenizer
         if config.train.wandb_project is not None:  # a missing package fails now, not at step 1
             import_wandb(config.train.wandb_project)
         self.config = config

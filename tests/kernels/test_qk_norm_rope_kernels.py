@@ -54,18 +54,21 @@ def rms_norm_scales(x, w, g):
     return grad_x, (g.abs() * x_hat).reshape(-1, x.shape[-1]).sum(0)
 
 
-def rope64(y_BSD, cos_SH, sin_SH, head_dim):
+def rope64(y_BSD, cos_SH, sin_SH, head_dim, positions=None):
     B, S, D = y_BSD.shape
     a, b = y_BSD.view(B, S, D // head_dim, head_dim).chunk(2, dim=-1)
-    cos, sin = cos_SH[:S, None].double(), sin_SH[:S, None].double()
+    if positions is None:
+        cos, sin = cos_SH[:S, None].double(), sin_SH[:S, None].double()
+    else:  # one table row per (row, position): (B, S, 1, H / 2)
+        cos, sin = cos_SH[positions][:, :, None].double(), sin_SH[positions][:, :, None].double()
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).view(B, S, D)
 
 
-def exact_qk_norm_rope(x, w, g, cos_SH, sin_SH, head_dim):
+def exact_qk_norm_rope(x, w, g, cos_SH, sin_SH, head_dim, positions=None):
     """float64 (y, grad_x, grad_w) of the norm then the rotation, on the same inputs."""
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
     y = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + EPS) * w64
-    y = rope64(y, cos_SH, sin_SH, head_dim)
+    y = rope64(y, cos_SH, sin_SH, head_dim, positions)
     return (y.detach(), *torch.autograd.grad(y, (x64, w64), g.double()))
 
 
@@ -95,17 +98,26 @@ def tables(head_dim, max_positions, device="cpu"):
 QK_SHAPES = [(1, 1, 1, 2), (2, 7, 3, 16), (1, 13, 5, 20), (2, 9, 1, 96)]  # B, S, N, H
 
 
+def random_positions(B, S, num_positions, seed):
+    """int32 (B, S) positions in [0, num_positions): any table row, in any order."""
+    return torch.randint(0, num_positions, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("with_positions", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,S,N,H", QK_SHAPES)
-def test_qk_norm_rope_reference_matches_float64_autograd(B, S, N, H, dtype):
+def test_qk_norm_rope_reference_matches_float64_autograd(B, S, N, H, dtype, with_positions):
     cos_SH, sin_SH = tables(H, S + 3)
+    pos = random_positions(B, S, S + 3, seed=S).int() if with_positions else None
     x = randn(B, S, N * H, dtype=dtype, seed=4).requires_grad_()
     w = (1 + randn(N * H, seed=5) / 4).requires_grad_()
     g = randn(B, S, N * H, dtype=dtype, seed=6)
-    y = qk_norm_rope_reference(x, w, EPS, cos_SH, sin_SH, H)
+    y = qk_norm_rope_reference(x, w, EPS, cos_SH, sin_SH, H, pos)
     grad_x, grad_w = torch.autograd.grad(y, (x, w), g)
     assert y.dtype == grad_x.dtype == dtype and grad_w.dtype == torch.float32
-    exact_y, exact_x, exact_w = exact_qk_norm_rope(x.detach(), w.detach(), g, cos_SH, sin_SH, H)
+    exact_y, exact_x, exact_w = exact_qk_norm_rope(
+        x.detach(), w.detach(), g, cos_SH, sin_SH, H, pos
+    )
     if dtype == torch.float64:
         for got, want in ((y, exact_y), (grad_x, exact_x)):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -177,15 +189,18 @@ def test_triton_module_imports_without_triton():
 # --- Triton ops == references ------------------------------------------------------------------
 
 
-def check_qkv_norm_rope_op(B, S, N, G, H, dtype, device, seed=0, scale=2.0):
+def check_qkv_norm_rope_op(B, S, N, G, H, dtype, device, seed=0, scale=2.0, positions=False):
     """q, k, v and the gradients through autograd against the per-tensor reference (the same
     fp32 formula, rounded once) and float64 on q's and k's columns of a fused projection qkv of
     typical magnitude `scale`, whose rows are strided (a slice of a wider buffer, as a view of a
     GEMM output can be); v and its gradient are copies, exact. The SDPA-style gradient layout
-    (B, heads, S, H) contiguous, transposed back, gives the same bits as a contiguous one."""
+    (B, heads, S, H) contiguous, transposed back, gives the same bits as a contiguous one.
+    positions: each row rotated at a random position of the tables (int32) instead of s."""
     from moetrain.kernels.qk_norm_rope_triton import qkv_norm_rope_triton
 
     cos_SH, sin_SH = tables(H, S + 5, device)
+    pos = random_positions(B, S, S + 5, seed).to(device, torch.int32) if positions else None
+    qkv_norm_rope_triton = functools.partial(qkv_norm_rope_triton, positions_BS=pos)
     D, Dk = N * H, G * H
     C = D + 2 * Dk
     wide = randn(B, S, C + 16, dtype=dtype, seed=seed, device=device, scale=scale)
@@ -209,10 +224,12 @@ def check_qkv_norm_rope_op(B, S, N, G, H, dtype, device, seed=0, scale=2.0):
         (k, grad_qkv[..., D : D + Dk], grad_wk, x[..., D : D + Dk], wk, gk),
     ):
         x_part = x_part.contiguous().requires_grad_()
-        y_ref = qk_norm_rope_reference(x_part, w, EPS, cos_SH, sin_SH, H)
+        y_ref = qk_norm_rope_reference(x_part, w, EPS, cos_SH, sin_SH, H, pos)
         ref_x, ref_w = torch.autograd.grad(y_ref, (x_part, w), g)
         wd = w.detach()
-        exact_y, exact_x, exact_w = exact_qk_norm_rope(x_part.detach(), wd, g, cos_SH, sin_SH, H)
+        exact_y, exact_x, exact_w = exact_qk_norm_rope(
+            x_part.detach(), wd, g, cos_SH, sin_SH, H, pos
+        )
         scale_y, scale_x, scale_w = qk_norm_rope_scales(x_part.detach(), wd, g, H)
         for got, ref, exact, scale_, dt in (
             (y, y_ref, exact_y, scale_y, dtype),
@@ -222,7 +239,7 @@ def check_qkv_norm_rope_op(B, S, N, G, H, dtype, device, seed=0, scale=2.0):
             assert_within(got, ref, scale_, dt)
             assert_within(got, exact, scale_, dt)
     _, _, _, rstd_q, rstd_k = torch.ops.moetrain.qkv_norm_rope(
-        x, wq.detach(), wk.detach(), cos_SH, sin_SH, H, Dk, EPS
+        x, wq.detach(), wk.detach(), cos_SH, sin_SH, H, Dk, EPS, pos
     )
     for rstd, x_part in ((rstd_q, x[..., :D]), (rstd_k, x[..., D : D + Dk])):
         assert rstd.dtype == torch.float32 and rstd.shape == (B, S, 1)
@@ -281,6 +298,14 @@ def test_qkv_norm_rope_op_edge_cases_interpreted(B, S, N, H, dtype, scale):
     check_qkv_norm_rope_op(B, S, N, N, H, dtype, "cpu", seed=4, scale=scale)
 
 
+@interpreted
+@pytest.mark.parametrize("B,S,N,G,H", [(2, 7, 3, 3, 16), (2, 6, 4, 2, 16), (1, 13, 5, 5, 20)])
+def test_qkv_norm_rope_op_with_positions_matches_references_interpreted(B, S, N, G, H):
+    """Rows rotated at given positions (document masking's reset positions), in both
+    directions; GQA and half heads that are not powers of two."""
+    check_qkv_norm_rope_op(B, S, N, G, H, torch.float32, "cpu", seed=N + G, positions=True)
+
+
 # --- GPU: the compiled kernels -----------------------------------------------------------------
 
 gpu = needs_cuda_and_triton
@@ -295,6 +320,13 @@ gpu = needs_cuda_and_triton
 )  # fmt: skip
 def test_qkv_norm_rope_op_matches_references_cuda(B, S, N, G, H, dtype):
     check_qkv_norm_rope_op(B, S, N, G, H, dtype, "cuda", seed=N * H + G)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,S,N,G,H", [(2, 7, 3, 3, 16), (4, 512, 16, 16, 64), (2, 300, 8, 2, 128)])
+def test_qkv_norm_rope_op_with_positions_matches_references_cuda(B, S, N, G, H):
+    check_qkv_norm_rope_op(B, S, N, G, H, torch.bfloat16, "cuda", seed=N + G, positions=True)
 
 
 @pytest.mark.gpu

@@ -46,3 +46,29 @@ def test_init_is_a_function_of_seed():
     assert not torch.equal(a.embed.weight, b.embed.weight)
     w = b.blocks["0"].ffn.experts.w_up_eD2F
     assert not torch.equal(w[0], w[1])  # experts differ from each other
+
+
+def test_document_masking_with_reset_positions_equals_each_document_alone():
+    """Logits of packed rows, with document masking and positions reset per document, equal
+    those of each document run alone as its own sequence by the same model without masking
+    (GQA; EOS opens each document but the row's first)."""
+    eos = 300
+    cfg = tiny().with_overrides(["model.num_kv_heads=2"])
+    masked = cfg.with_overrides(
+        ["data.document_masking=true", "data.reset_positions=true", f"data.eos_id={eos}"]
+    )
+    torch.manual_seed(0)
+    model = build_model(masked)
+    plain = build_model(cfg)
+    plain.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 256, (3, 48))
+    tokens[torch.rand(tokens.shape) < 0.1] = eos
+    tokens[1, 0], tokens[2] = eos, torch.arange(48)  # a row starting at an EOS; one without
+    with torch.no_grad():
+        packed = model.logits(model(tokens))
+        for b, row in enumerate(tokens):
+            starts = [0] + [s for s in range(1, 48) if row[s] == eos]
+            for start, end in zip(starts, [*starts[1:], 48], strict=True):
+                alone = plain.logits(plain(row[None, start:end]))[0]
+                torch.testing.assert_close(packed[b, start:end], alone, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(packed, plain.logits(plain(tokens)), atol=1e-3)

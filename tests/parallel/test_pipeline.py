@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 from conftest import run_distributed
 
-from moetrain.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from moetrain.config import (
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.optim.clip import global_grad_norm, params_with_kinds
 from moetrain.optim.param_groups import build_param_groups
@@ -39,11 +46,15 @@ pytestmark = pytest.mark.distributed
 
 STEPS, BATCH, SEQ, VOCAB, LAYERS, ACCUM = 3, 2, 16, 64, 4, 4
 MOE_OPTIONS = ("dispatcher", "routing")
+EOS = 5  # the "documents" option: document masking with reset positions, EOS at every 4th token
 
 
 def tiny_config(pp: int, dp: int, ep: int, schedule: str, **options) -> RunConfig:
+    documents = options.pop("documents", False)
     parallel = {k: v for k, v in options.items() if k not in MOE_OPTIONS}
+    data = DataConfig(document_masking=True, reset_positions=True, eos_id=EOS) if documents else DataConfig()  # fmt: skip
     return RunConfig(
+        data=data,
         model=ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=LAYERS, num_heads=4),
         moe=MoEConfig(
             num_experts=8,
@@ -92,6 +103,9 @@ def run_case(config: RunConfig) -> None:
     dp, accum = dims.dp, ACCUM
     generator = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, VOCAB, (STEPS, dp, accum, BATCH, SEQ + 1), generator=generator)
+    if config.data.document_masking:
+        eos = torch.rand(tokens.shape, generator=generator) < 0.25
+        tokens = torch.where(eos, EOS, tokens)
     for layer in reference.moe_layers():
         layer.aux_grad_scale = 1.0 / (accum * dp)
     for step in range(STEPS):
@@ -153,8 +167,10 @@ def _run_cases(rank, world_size, cases):
 def test_pp2_matches_single_process():
     """Every schedule at pp=2 (world 2), and 1f1b with activation checkpointing; with random
     routing too, where a recompute runs several micro-batches after its forward and must draw
-    that forward's experts."""
+    that forward's experts. With document masking (interleaved: two stages a rank), where
+    every stage derives the documents from the token ids it is handed."""
     cases = [(2, 1, 1, s, {}) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")]
+    cases.append((2, 1, 1, "interleaved_1f1b", {"documents": True}))
     cases.append((2, 1, 1, "1f1b", {"activation_checkpointing": "full"}))
     cases.append((2, 1, 1, "1f1b", {"activation_checkpointing": "moe", "routing": "random"}))
     run_distributed(_run_cases, 2, cases)
