@@ -26,6 +26,7 @@ BATCH, SEQ, D = 2, 16, 64
 
 
 def _config(dispatcher: str, payload: str, lb_weight: float) -> RunConfig:
+    # gloo on CUDA too: the GPU case puts both ranks on one GPU
     return RunConfig(
         model=ModelConfig(vocab_size=64, d_model=D, num_layers=1, num_heads=4),
         moe=MoEConfig(
@@ -37,17 +38,17 @@ def _config(dispatcher: str, payload: str, lb_weight: float) -> RunConfig:
             lb_loss_weight=lb_weight,
             z_loss_weight=0.1 * lb_weight,
         ),
-        parallel=ParallelConfig(dp=2, ep=2, compile=False),
+        parallel=ParallelConfig(dp=2, ep=2, compile=False, backend="gloo"),
         precision=PrecisionConfig(dispatch=payload),
     )
 
 
-def _block(config: RunConfig) -> torch.nn.Module:
-    dims = init_distributed(config)
+def _block(config: RunConfig, device: str) -> torch.nn.Module:
+    dims = init_distributed(config, device)
     with torch.device("meta"):
         model = Transformer(config)
     parallelize(model, config, dims)
-    model.to_empty(device="cpu")
+    model.to_empty(device=dims.device)
     model.init_weights(seed=5)
     model.to(torch.bfloat16).train()
     return model.blocks["0"]
@@ -67,8 +68,10 @@ class CountGraphs:
 def _run(block, forward, seed: int) -> list[torch.Tensor]:
     """Output, input gradient and parameter gradients on inputs drawn from `seed` (per rank)."""
     generator = torch.Generator().manual_seed(seed + 100 * torch.distributed.get_rank())
-    x = torch.randn(BATCH, SEQ, D, generator=generator).to(torch.bfloat16).requires_grad_()
-    grad_out = torch.randn(BATCH, SEQ, D, generator=generator).to(torch.bfloat16)
+    device = next(block.parameters()).device
+    x = torch.randn(BATCH, SEQ, D, generator=generator).to(device, torch.bfloat16)
+    x.requires_grad_()
+    grad_out = torch.randn(BATCH, SEQ, D, generator=generator).to(device, torch.bfloat16)
     block.zero_grad(set_to_none=True)
     y = forward(x)
     y.backward(grad_out)
@@ -79,16 +82,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _compiled_matches_eager(rank, world_size, backend: str, payload: str):
+def _compiled_matches_eager(rank, world_size, backend: str, payload: str, device: str, rel: float):
     torch._dynamo.reset()
     # The check can fail: the AllToAll dispatcher's eager exchanges break the graph.
-    block = _block(_config("all_to_all", payload, 1.0))
+    block = _block(_config("all_to_all", payload, 1.0), device)
     counter = CountGraphs("aot_eager")  # only counted: no need to generate code
     _run(block, torch.compile(block, backend=counter), seed=0)
     assert counter.graphs > 1, counter.graphs
 
     torch._dynamo.reset()
-    block = _block(_config("no_sync", payload, 1.0))
+    block = _block(_config("no_sync", payload, 1.0), device)
     counter = CountGraphs(backend)
     compiled = torch.compile(block, backend=counter)
     router = block.ffn.router.gate.weight
@@ -96,13 +99,13 @@ def _compiled_matches_eager(rank, world_size, backend: str, payload: str):
         actual = _run(block, compiled, seed)
         expected = _run(block, block, seed)
         for a, e in zip(actual, expected, strict=True):
-            assert a.shape == e.shape and _rel(a, e) <= 1e-2, _rel(a, e)
+            assert a.shape == e.shape and _rel(a, e) <= rel, _rel(a, e)
     assert counter.graphs == 1, f"{counter.graphs} graphs: a graph break in the NoSync block"
     # The auxiliary losses' share of the router gradient survives compile: with them off the
     # router gradient differs, by far more than compiled and eager differ.
     with_aux = _run(block, compiled, seed=3)[2 + _index(block, router)]
     eager_aux = _run(block, block, seed=3)[2 + _index(block, router)]
-    plain = _block(_config("no_sync", payload, 0.0))
+    plain = _block(_config("no_sync", payload, 0.0), device)
     without = _run(plain, plain, seed=3)[2 + _index(plain, plain.ffn.router.gate.weight)]
     aux_share = (eager_aux.double() - without.double()).norm()
     assert aux_share > 0.1 * eager_aux.double().norm()
@@ -122,4 +125,17 @@ def _index(block, param) -> int:
     ],
 )
 def test_compiled_no_sync_block_is_one_graph_and_matches_eager(backend, payload):
-    assert run_distributed(_compiled_matches_eager, 2, backend, payload) == [True, True]
+    # bf16 on both sides; inductor fuses and rounds elsewhere: within 1% in norm
+    assert run_distributed(_compiled_matches_eager, 2, backend, payload, "cpu", 1e-2) == [True] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("payload", ["bf16", "fp8"])
+def test_compiled_no_sync_block_on_one_gpu(payload):
+    """The same on CUDA, 2 ranks on one GPU (gloo moves the CUDA tensors of the functional
+    collectives as it does the eager ones), inductor with Triton: within 2% in norm, the bound
+    of tests/gpu/test_gpu_multirank.py for bf16 gradients."""
+    assert (
+        run_distributed(_compiled_matches_eager, 2, "inductor", payload, "cuda", 2e-2) == [True] * 2
+    )
