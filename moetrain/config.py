@@ -213,6 +213,7 @@ class TrainConfig:
     # the replicated AdamW's update kernel: auto = Triton on CUDA when installed, else torch's
     adamw_kernel: Literal["auto", "torch", "triton"] = "auto"
     # replay each training step as one CUDA graph (moetrain.train.graph); None: where supported
+    # in one process (several processes: only when true, not yet verified on several GPUs)
     cuda_graph: bool | None = None
     log_every: int = 10
     eval_every: int = 100  # 0 disables evaluation

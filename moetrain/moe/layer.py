@@ -32,7 +32,7 @@ class AddAuxLossGrad(torch.autograd.Function):
 
     Applied to the router weights (T x K: the copy costs nothing), which every route's result
     depends on. A copy, not `y` itself: compiled, an identity whose input is a graph input
-    (the expert-parallel dispatchers break the graph at their collectives) was folded away
+    (the exact-split all-to-all dispatcher breaks the graph at its collectives) was folded away
     with its backward, and the auxiliary losses' gradient was dropped without a word."""
 
     @staticmethod

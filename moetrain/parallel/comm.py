@@ -7,20 +7,32 @@ Letters: R rows, D model dim, E experts, G ranks in the group.
   they receive is dropped, so garbage gradients of padding rows can never reach real data.
   `payload="fp8"` sends the rows FP8-quantized (moetrain.moe.payload): half the bytes forward,
   the gradient travels back unquantized (straight-through).
-- `all_gather_counts` and `all_to_all_counts`: integer count vectors, no gradient.
+- `exchange_blocks(x_RD, group, sink_rows, payload)`: the same with equal splits (the NoSync
+  dispatcher's fixed blocks), and traceable (below).
+- `all_gather_counts`, `all_to_all_counts`, `all_reduce_counts`: integer count vectors, no
+  gradient.
 Every function accepts `group=None`, meaning a group of one rank: the data stays where it is,
 so world size 1 runs the same code with the transport skipped. No function reads device values
-on the host. The eager collectives are hidden from torch.compile (a graph break at each), which
-keeps compiled blocks correct with every backend; a traceable transport is future work.
+on the host.
+
+Compile: the eager collectives (`torch.distributed`, writing into preallocated outputs) are
+hidden from torch.compile, a graph break at each. The ones with static shapes (`exchange_blocks`,
+`all_gather_counts`, `all_reduce_counts`) switch, while dynamo traces them, to torch's functional
+collectives (`torch.distributed._functional_collectives`, the same in torch 2.11 and 2.13 but for
+the all-gather's name, see moetrain.dist_compat), which dynamo and AOTAutograd put into the graph,
+backward included: a compiled block with the NoSync dispatcher is one graph. Eager runs keep the
+in-place path (no copy for the sink rows). The exact-split `all_to_all` and `all_to_all_counts`
+(the AllToAll dispatcher, whose split sizes are read on the host) stay eager.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
-from moetrain.dist_compat import all_gather_flat
+from moetrain.dist_compat import all_gather_flat, functional_all_gather
 from moetrain.moe.payload import check_payload, decode_fp8_rows, encode_fp8_rows
 
 
@@ -84,12 +96,58 @@ def all_to_all(
     return _AllToAll.apply(x_RD, group, output_split_sizes, input_split_sizes, sink_rows, payload)
 
 
-@torch.compiler.disable
-@torch.no_grad()
+def exchange_blocks(
+    x_RD: torch.Tensor, group: ProcessGroup | None, sink_rows: int = 0, payload: str = "bf16"
+) -> torch.Tensor:
+    """`all_to_all` with equal splits (G blocks of R / G rows, block g for rank g), traceable:
+    under torch.compile it runs on functional collectives, in the graph; eager it is
+    `all_to_all`. Same values, gradients and sink rows either way."""
+    if not torch.compiler.is_compiling():
+        return all_to_all(x_RD, group, sink_rows=sink_rows, payload=payload)
+    if group is not None or check_payload(payload) == "fp8":
+        x_RD = _FunctionalAllToAll.apply(x_RD, group, payload)
+    if sink_rows == 0:
+        return x_RD
+    return torch.cat([x_RD, x_RD.new_zeros(sink_rows, *x_RD.shape[1:])])
+
+
+def _functional_exchange(x_RD: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    if group is None:
+        return x_RD
+    return funcol.wait_tensor(funcol.all_to_all_single(x_RD.contiguous(), None, None, group))
+
+
+class _FunctionalAllToAll(torch.autograd.Function):
+    """Equal-split all-to-all on functional collectives; backward: the same exchange of the
+    gradient (equal splits are their own reverse), in the activations' dtype (fp8:
+    straight-through)."""
+
+    @staticmethod
+    def forward(ctx, x_RD, group, payload):  # type: ignore[override]
+        ctx.group = group
+        if payload == "fp8":
+            packed = _functional_exchange(encode_fp8_rows(x_RD), group)
+            return decode_fp8_rows(packed, x_RD.dtype)
+        return _functional_exchange(x_RD, group)
+
+    @staticmethod
+    def backward(ctx, grad_RD):  # type: ignore[override]
+        return _functional_exchange(grad_RD, ctx.group), None, None
+
+
 def all_gather_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """[G, E]: row g is rank g's count vector (the rank order of the group)."""
+    """[G, E]: row g is rank g's count vector (the rank order of the group). Traceable."""
     if group is None:
         return counts_E.unsqueeze(0)
+    if torch.compiler.is_compiling():
+        gathered = functional_all_gather(counts_E.detach().contiguous(), 0, group)
+        return gathered.view(group_size(group), -1)
+    return _all_gather_counts_eager(counts_E, group)
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def _all_gather_counts_eager(counts_E: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     out_GE = counts_E.new_empty(group_size(group), counts_E.shape[0])
     all_gather_flat(out_GE.view(-1), counts_E.contiguous(), group=group)
     return out_GE
@@ -108,11 +166,19 @@ def all_to_all_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> tor
     return out_GE.view(size, -1)
 
 
+def all_reduce_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Route counts summed over the group (a new tensor; the input is left as it is).
+    Traceable."""
+    if group is None:
+        return counts_E.clone()
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_reduce(counts_E.detach(), "sum", group))
+    return _all_reduce_counts_eager(counts_E, group)
+
+
 @torch.compiler.disable
 @torch.no_grad()
-def all_reduce_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Route counts summed over the group (a new tensor; the input is left as it is)."""
+def _all_reduce_counts_eager(counts_E: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     out_E = counts_E.clone()
-    if group is not None:
-        dist.all_reduce(out_E, group=group)
+    dist.all_reduce(out_E, group=group)
     return out_E

@@ -37,7 +37,13 @@ from moetrain.moe.dispatch import (
 from moetrain.moe.payload import check_payload
 from moetrain.moe.recompute import is_recomputing
 from moetrain.moe.router import RoutingResult
-from moetrain.parallel.comm import all_gather_counts, all_to_all, all_to_all_counts, group_size
+from moetrain.parallel.comm import (
+    all_gather_counts,
+    all_to_all,
+    all_to_all_counts,
+    exchange_blocks,
+    group_size,
+)
 
 
 def _positions_within_expert(ids_N: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -193,14 +199,15 @@ class Transport(Protocol):
 
 
 class AllToAllTransport:
-    """Fixed blocks over an equal-split all_to_all_single (portable: NCCL and gloo). A group of
-    one keeps the blocks in place (one copy, to append the sink row)."""
+    """Fixed blocks over an equal-split all_to_all_single (portable: NCCL and gloo), traceable by
+    torch.compile (moetrain.parallel.comm.exchange_blocks). A group of one keeps the blocks in
+    place (one copy, to append the sink row)."""
 
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
 
     def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
-        return all_to_all(send_RD, self.group, sink_rows=1, payload=payload)
+        return exchange_blocks(send_RD, self.group, sink_rows=1, payload=payload)
 
 
 def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int) -> torch.Tensor:
@@ -243,6 +250,7 @@ class NoSyncDispatcher:
         capacity_factor: float,
         transport: Transport | None = None,
         payload: str = "bf16",
+        device: torch.device | str | None = None,
     ) -> None:
         if capacity_factor is None or capacity_factor <= 0:
             raise ValueError(
@@ -256,8 +264,11 @@ class NoSyncDispatcher:
         self.capacity_factor = capacity_factor
         self.payload = check_payload(payload)
         self.transport = transport if transport is not None else AllToAllTransport(group)
-        self._stats: torch.Tensor | None = None  # device [dropped routes, receive rows used]
-        self._routes = self._rows_allocated = 0  # host-known totals since the last read
+        # since the last read, on the device: dropped routes, receive rows used, routes, receive
+        # rows allocated. Device counters, not host ints: a compiled forward would guard on (and
+        # recompile for) every new host value, and a CUDA-graph replay would not advance them.
+        # Allocated here when the device is known (the trainer's dispatchers), else at first use.
+        self._stats = None if device is None else self._new_stats(device)
 
     def capacities(self, num_tokens: int, top_k: int) -> tuple[int, int]:
         """(expert_capacity, block_rows), host integers fixed by the shapes
@@ -319,14 +330,20 @@ class NoSyncDispatcher:
         y_N = gather_rows(y_back_RD, handle.send_row_TK.reshape(-1), handle.route_of_send_row_R)  # fmt: skip
         return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
 
+    @staticmethod
+    def _new_stats(device: torch.device | str) -> torch.Tensor:
+        return torch.zeros(4, dtype=torch.int64, device=device)
+
     @torch.no_grad()
     def _record(self, keep_N: torch.Tensor, offsets_e: torch.Tensor, rows_allocated: int) -> None:
         if self._stats is None:
-            self._stats = torch.zeros(2, dtype=torch.int64, device=keep_N.device)
-        dropped = keep_N.numel() - keep_N.sum()
-        self._stats += torch.stack([dropped, offsets_e[-1].to(torch.int64)])
-        self._routes += keep_N.numel()
-        self._rows_allocated += rows_allocated
+            self._stats = self._new_stats(keep_N.device)
+        routes = keep_N.numel()
+        dropped = routes - keep_N.sum()
+        used = offsets_e[-1].to(torch.int64)
+        # the host totals enter as fills (kernel arguments), not as copies from the host
+        totals = [torch.full_like(used, routes), torch.full_like(used, rows_allocated)]
+        self._stats += torch.stack([dropped, used, *totals])
 
     @torch.no_grad()
     def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
@@ -334,12 +351,12 @@ class NoSyncDispatcher:
         fraction `drop_fraction`, and `buffer_utilization` (receive rows used / allocated)."""
         if self._stats is None:
             return {}
+        dropped, used, routes, allocated = self._stats.clone()
         stats = {
-            "dropped_routes": self._stats[0].clone(),
-            "drop_fraction": self._stats[0].double() / max(self._routes, 1),
-            "buffer_utilization": self._stats[1].double() / max(self._rows_allocated, 1),
+            "dropped_routes": dropped,
+            "drop_fraction": dropped.double() / routes.clamp(min=1),
+            "buffer_utilization": used.double() / allocated.clamp(min=1),
         }
         if reset:
             self._stats.zero_()
-            self._routes = self._rows_allocated = 0
         return stats

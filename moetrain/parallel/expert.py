@@ -59,6 +59,7 @@ def make_dispatcher(config: RunConfig, dims: ParallelDims) -> Dispatcher:
         dims.ep_rank,
         config.moe.capacity_factor,
         payload=payload,
+        device=dims.device,
     )
 
 

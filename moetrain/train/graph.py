@@ -12,16 +12,35 @@ device scalar (the Triton AdamW reads it from there). The first `warmup` steps r
 side stream as torch.cuda.graph asks, so compilation, autotuning and the optimizer state happen
 before capture; the step at which the graph is captured then runs as its first replay.
 
-`StepGraph.unsupported_reason` says why a configuration cannot be graphed (one process only;
-learned routing; BF16 expert GEMMs; the replicated AdamW with the Triton kernel).
+`StepGraph.unsupported_reason` says why a configuration cannot be graphed (learned routing; BF16
+expert GEMMs; the replicated AdamW with the Triton kernel; several processes: see below).
+
+Several processes (world size > 1): NCCL (>= 2.9.6) collectives can be captured, and the graph
+then holds every collective of the step: the NoSync dispatcher's all-to-alls and counts
+all-gather (functional collectives inside the compiled blocks, or eager ones), GradientSync's
+bucket all-reduces (launched by gradient hooks, waited in `finish`: host logic that runs once,
+at capture, and issues the same fixed sequence of collectives on every rank), the gradient
+norm's and the statistics' all-reduces. torch's NCCL process group keeps work captured in a
+graph away from its watchdog and waits for the watchdog's pending event queries before a capture
+begins; the warm-up steps create the communicators, which cannot be created during capture.
+What cannot be captured is refused by `multi_process_reason`: gloo (it stages CUDA tensors
+through the host), the all_to_all dispatcher (it reads split sizes on the host), FSDP and the
+pipeline schedules (host-side bookkeeping and point-to-point, not verified), and
+TORCH_NCCL_BLOCKING_WAIT (its wait polls an event on the host). It is never on by default at
+world size > 1: it has not run on several GPUs yet (README), so `train.cuda_graph=true` turns
+it on, and a failed capture then raises on that rank (a rank that went on eagerly would issue
+collectives that its peers replay inside a graph).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 
 import torch
+
+from moetrain.parallel.expert import resolve_dispatcher
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[Iterator[Batch], torch.Tensor], torch.Tensor]
@@ -47,12 +66,16 @@ class StepGraph:
         self.eager_steps = 0
 
     @staticmethod
-    def unsupported_reason(config, dims, device: torch.device, adamw_kernel: str) -> str | None:
-        """Why this run cannot be graphed, or None."""
+    def unsupported_reason(
+        config, dims, device: torch.device, adamw_kernel: str, backend: str | None = None
+    ) -> str | None:
+        """Why this run cannot be graphed, or None. `backend`: the process group's (world > 1)."""
         if device.type != "cuda":
             return "it needs a CUDA device"
         if dims.world_size > 1:
-            return "multi-process runs are not graphed yet (collectives, gloo control group)"
+            reason = multi_process_reason(config, dims, backend)
+            if reason is not None:
+                return reason
         if config.moe.routing != "learned":
             return "random routing reseeds its generator on the host at every draw"
         if config.precision.experts != "bf16":
@@ -100,6 +123,36 @@ class StepGraph:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # hand the eager warm-up's cached blocks back before the graph
         graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog thread may query events of work launched before the
+        # capture; only this thread's calls are checked
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.static_loss = self.step_fn(iter(self.static_batches), self.lr)
         self.graph = graph
+
+
+NCCL_CAPTURE_VERSION = (2, 9, 6)  # the first NCCL whose collectives a CUDA graph can capture
+
+
+def multi_process_reason(config, dims, backend: str | None) -> str | None:
+    """Why a multi-process step cannot be captured, or None (module docstring)."""
+    if backend != "nccl":
+        return (
+            f"parallel.backend is {backend}: a CUDA graph captures NCCL collectives only (gloo "
+            "stages CUDA tensors through the host); use nccl, one GPU per rank"
+        )
+    if config.parallel.pp > 1:
+        return "the pipeline schedules (parallel.pp > 1) are not graphed"
+    if config.parallel.data_parallel == "fsdp":
+        return "FSDP (parallel.data_parallel=fsdp) is not graphed; use ddp"
+    dispatcher = resolve_dispatcher(config, dims)
+    if dispatcher == "all_to_all":
+        return (
+            f"moe.dispatcher ({config.moe.dispatcher}) is all_to_all, which reads its split sizes "
+            "on the host in every MoE layer; use no_sync (capacity mode: moe.capacity_factor)"
+        )
+    if os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("", "0"):
+        return "TORCH_NCCL_BLOCKING_WAIT is set: its waits poll the GPU from the host"
+    if torch.cuda.nccl.version() < NCCL_CAPTURE_VERSION:
+        found = ".".join(map(str, torch.cuda.nccl.version()))
+        return f"NCCL {found} cannot be captured (needs 2.9.6 or later)"
+    return None

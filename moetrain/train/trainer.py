@@ -194,10 +194,16 @@ class Trainer:
             raise RunDirLocked(error)
 
     def _build_step_graph(self) -> StepGraph | None:
+        """train.cuda_graph: None graphs one process where supported; several processes only
+        when set to true (NCCL capture has not run on several GPUs yet: train/graph.py)."""
         choice = self.config.train.cuda_graph
+        multi = self.dims.world_size > 1
+        if choice is False or (choice is None and multi):
+            return None
         kernel = getattr(self.optimizer, "kernel", "torch")
-        reason = StepGraph.unsupported_reason(self.config, self.dims, self.device, kernel)
-        if choice is False or (choice is None and reason is not None):
+        backend = dist.get_backend() if multi else None
+        reason = StepGraph.unsupported_reason(self.config, self.dims, self.device, kernel, backend)
+        if choice is None and reason is not None:
             return None
         if reason is not None:
             raise ValueError(f"train.cuda_graph (true): cannot graph this run: {reason}")

@@ -279,3 +279,19 @@ def _dispatch_under_sync_debug(rank, world, kind, payload):
 @pytest.mark.parametrize("payload", ["bf16", "fp8"])
 def test_dispatchers_own_work_has_no_host_sync_at_world_size_2(kind, payload):
     run_distributed(_dispatch_under_sync_debug, 2, kind, payload)
+
+
+def _graph_over_gloo(rank, world, run_dir, cache):
+    os.environ["MOETRAIN_CACHE"] = cache
+    from moetrain.train.trainer import Trainer
+
+    overrides = [*CASES["tiny-dp2-ep2-nosync"][2], "parallel.backend=gloo", "train.cuda_graph=true"]
+    with pytest.raises(ValueError, match="parallel.backend is gloo"):
+        Trainer(_config("tiny", [*_base("tiny", world), *overrides]), run_dir, progress=False)
+    return True
+
+
+def test_cuda_graph_over_gloo_is_a_start_up_error(tmp_path, tmp_path_factory):
+    """gloo stages CUDA tensors through the host: no capture; train.cuda_graph=true says so."""
+    cache = str(tmp_path_factory.getbasetemp() / "cache")
+    assert run_distributed(_graph_over_gloo, 2, str(tmp_path), cache) == [True, True]

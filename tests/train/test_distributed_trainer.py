@@ -181,3 +181,36 @@ def test_two_ranks_read_the_mix_one_process_reads(tmp_path):
     for one, two in zip(records["one"], records["two"], strict=True):
         assert abs(one["loss"] - two["loss"]) <= 1e-6 * abs(one["loss"]), (one["step"], one, two)
         assert one["tokens_per_source"] == two["tokens_per_source"]
+
+
+def _train_compiled(rank, world, run_dir, cache, overrides):
+    os.environ["MOETRAIN_CACHE"] = cache
+    from moetrain.train.trainer import Trainer
+
+    common = [
+        "model.num_layers=1",
+        "train.steps=3",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.micro_batch_size=2",
+        f"train.global_batch_tokens={2 * 2 * SEQ}",
+        "parallel.compile=true",
+        "precision.param_dtype=bf16",  # compiled, torch._grouped_mm takes bf16 only
+    ]
+    Trainer(tiny().with_overrides([*common, *overrides]), run_dir, progress=False).train()
+
+
+@pytest.mark.slow
+def test_compiled_no_sync_ep2_matches_one_process(tmp_path):
+    """The trainer's compiled blocks at ep 2 with the NoSync dispatcher (one graph a block, its
+    collectives traced) train like one compiled process accumulating both micro-batches: bf16,
+    so the loss within 1e-3 relative (tests/gpu/test_gpu_multirank.py's bound)."""
+    cache = str(tmp_path / "cache")
+    nosync = ["parallel.ep=2", "moe.dispatcher=no_sync", "moe.capacity_factor=4"]
+    run_distributed(_train_compiled, 2, str(tmp_path / "two"), cache, nosync)
+    _train_compiled(0, 1, str(tmp_path / "one"), cache, [])
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in one:
+        assert abs(one[step] - two[step]) <= 1e-3 * abs(one[step]), (step, one[step], two[step])
