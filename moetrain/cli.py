@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers",
         type=int,
-        help="tokenizing processes (default: one per core, at most one per 16 MiB of input; "
+        help="tokenizing processes (default: one per core, at most one per 8 MiB of input; "
         "1 = in this process). An interrupted prepare leaves OUT.partial; the same command "
         "resumes from it",
     )

@@ -163,16 +163,11 @@ def source_bytes(source: Source) -> int:
     return sum(f.stat().st_size for f in _files_of(source) if f.suffix == ".arrow")
 
 
-def source_identity(source: Source) -> list[Any]:
-    """What names a source's content cheaply: the path, size and modification time of each of
-    its files (rewriting a file changes it); it is compared, never read back."""
-    files = [[str(f.resolve()), *_stat(f)] for f in _files_of(source)]
-    return [str(source), files]
-
-
-def _stat(path: Path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_size, stat.st_mtime_ns
+def source_identity(source: Source) -> list[list[Any]]:
+    """What names a source's content cheaply: the absolute path, size and modification time of
+    each of its files (rewriting a file changes it); it is compared, never read back."""
+    stats = [(f.resolve(), f.stat()) for f in _files_of(source)]
+    return [[str(path), stat.st_size, stat.st_mtime_ns] for path, stat in stats]
 
 
 def split_source(source: Source, target_bytes: int) -> list[Part]:

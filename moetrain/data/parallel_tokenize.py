@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import queue
 import shutil
+import signal
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -49,7 +50,7 @@ from moetrain.data.progress import TokenizeProgress
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from moetrain.data.tokens import token_dtype
 
-UNIT_BYTES = 16 << 20
+UNIT_BYTES = 8 << 20
 FORMAT = "moetrain-prepare-work"
 VERSION = 1
 _FLUSH_TOKENS = 1 << 20  # tokens a worker buffers before writing
@@ -105,6 +106,15 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(part, path)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file; {} when it is missing, unreadable or not an object."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 class WorkDir:
     """The work directory of one prepare: held (locked) inside a ``with`` block."""
 
@@ -115,6 +125,7 @@ class WorkDir:
         self._lock: Any = None
 
     def __enter__(self) -> WorkDir:
+        self._check_ours()
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = open(self.path / "lock", "w")  # noqa: SIM115 (held until __exit__)
         try:
@@ -125,12 +136,9 @@ class WorkDir:
                 f"another moetrain prepare is writing {self.path} (it holds {self.path / 'lock'})"
             ) from None
         settings_file = self.path / "settings.json"
-        try:
-            found = json.loads(settings_file.read_text())
-        except (OSError, ValueError):
-            found = None
+        found = _read_json(settings_file)
         if found != self.settings:
-            if found is not None:
+            if found:
                 changed = [k for k in self.settings if found.get(k) != self.settings[k]]
                 print(
                     f"prepare: {self.path} holds units made with another {', '.join(changed)}; "
@@ -156,6 +164,21 @@ class WorkDir:
                 self.remove()
         self._lock.close()
 
+    def _check_ours(self) -> None:
+        """Refuse a path that holds something else: starting over empties the directory."""
+        if not self.path.exists():
+            return
+        ours = self.path.is_dir() and (
+            _read_json(self.path / "settings.json").get("format") == FORMAT
+            or all(p.name == "lock" for p in self.path.iterdir())
+        )
+        if not ours:
+            raise ValueError(
+                f"{self.path} exists and is not the work directory of a moetrain prepare (it "
+                "holds the finished parts of an interrupted prepare of the same --out); move it "
+                "away or choose another --out"
+            )
+
     def _empty(self) -> None:
         for entry in self.path.iterdir():
             if entry.name != "lock":
@@ -175,16 +198,12 @@ class WorkDir:
     def finished(self, unit: Unit) -> dict[str, Any] | None:
         """The record of a unit finished by an earlier run, when its files are intact."""
         tokens, lengths, record = self.files(unit)
-        try:
-            found = json.loads(record.read_text())
-            sizes = (tokens.stat().st_size, lengths.stat().st_size)
-        except (OSError, ValueError):
+        found = _read_json(record)
+        if found.get("key") != unit.key or not tokens.is_file() or not lengths.is_file():
             return None
-        expected = (
-            found.get("num_tokens", -1) * self.dtype.itemsize,
-            found.get("num_documents", -1) * 8,
-        )
-        return found if found.get("key") == unit.key and sizes == expected else None
+        sizes = (tokens.stat().st_size, lengths.stat().st_size)
+        expected = (found["num_tokens"] * self.dtype.itemsize, found["num_documents"] * 8)
+        return found if sizes == expected else None
 
     def documents(self, unit: Unit, record: dict[str, Any]) -> Iterator[np.ndarray]:
         """The token ids of each document of a finished unit, in order."""
@@ -274,7 +293,8 @@ def _write_arrays(tokens_f: Any, lengths_f: Any, pending: list[np.ndarray]) -> N
 
 def default_workers(units: list[Unit]) -> int:
     """One per core, but no more than the units to do, nor than one per `UNIT_BYTES` of them:
-    starting a worker process costs about a second, the time of a few MB of tokenizing."""
+    starting a worker costs about half a second (imports, loading the tokenizer), the time of
+    a MB or two of tokenizing."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     by_bytes = sum(u.part.num_bytes for u in units) // UNIT_BYTES
     return max(1, min(cores or 1, len(units), by_bytes))
@@ -354,6 +374,8 @@ def _init_worker(
     text_field: str,
     reports: Any,
 ) -> None:
+    # Ctrl-C reaches the whole process group: the parent alone stops, after the units in flight.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if tokenizer_file is None:
         tokenizer: ByteTokenizer | HFTokenizer = ByteTokenizer()
     else:

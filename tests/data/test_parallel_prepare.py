@@ -210,3 +210,14 @@ def test_a_killed_prepare_resumes_bitwise(tmp_path, monkeypatch, capsys):
     assert f"resuming: {len(finished)} of {len(units)} units done" in capsys.readouterr().err
     assert sorted(written) == sorted({u.key for u in units} - finished)
     assert digests(out) == digests(reference)
+
+
+def test_a_foreign_directory_at_the_work_path_is_never_emptied(tmp_path):
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(4))
+    )
+    (tmp_path / "tok.partial").mkdir()
+    (tmp_path / "tok.partial" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"tok\.partial exists and is not the work directory"):
+        prepare([tmp_path / "a.jsonl"], tmp_path / "tok", progress=False)
+    assert [p.name for p in (tmp_path / "tok.partial").iterdir()] == ["notes.txt"]
