@@ -305,6 +305,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+# prepare's options that only text inputs take
 _TEXT_ONLY = ("text_field", "workers", "hf_dataset", "hf_config", "hf_split")
 
 

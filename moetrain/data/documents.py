@@ -394,7 +394,7 @@ def _read_parquet(
     rows = _parquet_group_rows(parquet)
     groups = range(part.start, parquet.num_row_groups if part.stop is None else part.stop)
     tables = (parquet.read_row_group(i, columns=[text_field]) for i in groups)
-    num_bytes = part.num_bytes or path.stat().st_size
+    num_bytes = part.num_bytes if part.stop is not None else path.stat().st_size
     span = (rows[groups.start], rows[groups.stop])
     yield from _texts_of_tables(path, tables, text_field, advance, num_bytes, span)
 
@@ -434,5 +434,5 @@ def _read_dataset(
     stop = len(dataset) if part.stop is None else part.stop
     rows = dataset.select_columns([text_field]).select(range(part.start, stop))
     batches = rows.with_format("arrow").iter(batch_size=1024)  # the saved row order
-    num_bytes = part.num_bytes or source_bytes(source)
+    num_bytes = part.num_bytes if part.stop is not None else source_bytes(source)
     yield from _texts_of_tables(source, batches, text_field, advance, num_bytes, (part.start, stop))

@@ -73,12 +73,15 @@ def split_documents(
 
 
 def check_not_prepared(out: Path, overwrite: bool) -> None:
-    if not overwrite and (out / "meta.json").is_file():  # other contents: write_token_dir refuses
+    """Before any work: `out` must be absent, an empty directory, or (with `overwrite`) a token
+    directory; anything else is refused now, not after hours of tokenizing."""
+    if not overwrite and (out / "meta.json").is_file():
         raise ValueError(
             f"output directory {out} is not empty: it holds a token directory, and runs trained "
             "on it could not resume on other tokens; choose another --out, or pass --overwrite "
             "to replace it"
         )
+    _check_destination(out)
 
 
 def write_token_dir(

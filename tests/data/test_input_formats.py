@@ -243,3 +243,9 @@ def test_cli_prepare_directory_with_text_field(tmp_path, capsys):
     assert sorted(all_docs(tmp_path / "tok")) == sorted(TEXTS)
     assert main(["prepare", "--out", str(tmp_path / "x")]) == 2
     assert "prepare needs input files" in capsys.readouterr().err
+    assert main([*args, "--text-field", "body", "--overwrite", "--workers", "0"]) == 2
+    assert "workers (0) must be >= 1" in capsys.readouterr().err
+    pretokenized = ["prepare", "--pretokenized", str(shards), "--out", str(tmp_path / "y")]
+    pretokenized += ["--dtype", "uint16", "--eos-id", "0", "--vocab-size", "9"]
+    assert main([*pretokenized, "--workers", "2"]) == 2
+    assert "--workers does not apply to --pretokenized" in capsys.readouterr().err

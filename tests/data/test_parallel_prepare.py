@@ -190,7 +190,7 @@ def test_a_killed_prepare_resumes_bitwise(tmp_path, monkeypatch, capsys):
     out, work = tmp_path / "tok", tmp_path / "tok.partial"
     code = (
         "import sys; from moetrain.data import prepare; "
-        f"prepare({[str(p) for p in inputs]!r}, {str(out)!r}, workers=2, unit_bytes=400, "
+        f"prepare({[str(p) for p in inputs]!r}, {str(out)!r}, workers=2, unit_bytes=200, "
         "progress=False)"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -205,8 +205,8 @@ def test_a_killed_prepare_resumes_bitwise(tmp_path, monkeypatch, capsys):
     assert finished
 
     written = spy_on_units(monkeypatch)
-    prepare(inputs, out, workers=1, unit_bytes=400, progress=True)
-    units = pt.plan_units(expand_inputs(inputs), 400)
+    prepare(inputs, out, workers=1, unit_bytes=200, progress=True)
+    units = pt.plan_units(expand_inputs(inputs), 200)
     assert f"resuming: {len(finished)} of {len(units)} units done" in capsys.readouterr().err
     assert sorted(written) == sorted({u.key for u in units} - finished)
     assert digests(out) == digests(reference)

@@ -150,6 +150,7 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
     with pytest.raises(ValueError, match="not a moetrain token directory; refusing"):
         prepare(inputs, foreign, progress=False)
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    assert not (tmp_path / "mine.partial").exists()  # refused before any tokenizing
     (foreign / "notes.txt").unlink()
     prepare(inputs, foreign, progress=False)  # an empty directory is fine
     assert read_meta(foreign)["num_documents"]["train"] == 4
