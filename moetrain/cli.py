@@ -272,23 +272,42 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from moetrain.data import prepare
+    from moetrain.data.documents import load_named_dataset
+    from moetrain.data.tokens import check_not_prepared
 
     if args.pretokenized:
         return _prepare_pretokenized(args)
-    if not args.files:
-        raise ValueError("prepare needs input files (or --pretokenized TOKEN_FILES)")
+    if not args.hf_dataset:
+        unused = [f for f in ("hf_config", "hf_split") if getattr(args, f) is not None]
+        if unused:
+            raise ValueError(f"--{unused[0].replace('_', '-')} needs --hf-dataset NAME")
+    if not args.files and not args.hf_dataset:
+        raise ValueError(
+            "prepare needs input files, --hf-dataset NAME (or --pretokenized TOKEN_FILES)"
+        )
+    inputs = list(args.files)
+    if args.hf_dataset:
+        check_not_prepared(Path(args.out), args.overwrite)  # before a download, not after
+        inputs.append(load_named_dataset(args.hf_dataset, args.hf_config, args.hf_split or "train"))
     out = prepare(
-        args.files,
+        inputs,
         args.out,
         tokenizer=args.tokenizer or "byte",
         val_fraction=args.val_fraction,
         progress=not args.quiet,
         overwrite=args.overwrite,
         text_field=args.text_field,
+        workers=args.workers,
     )
     print(f"wrote {out}")
     return 0
+
+
+# prepare's options that only text inputs take
+_TEXT_ONLY = ("text_field", "workers", "hf_dataset", "hf_config", "hf_split")
 
 
 def _prepare_pretokenized(args: argparse.Namespace) -> int:
@@ -303,8 +322,11 @@ def _prepare_pretokenized(args: argparse.Namespace) -> int:
     missing = ["--" + n.replace("_", "-") for n in needed if getattr(args, n) is None]
     if missing:
         raise ValueError(f"prepare --pretokenized needs {', '.join(missing)}")
-    if args.text_field != "text":
-        raise ValueError("--text-field does not apply to --pretokenized")
+    given = [
+        f"--{f.replace('_', '-')}" for f in _TEXT_ONLY if getattr(args, f) not in (None, "text")
+    ]
+    if given:
+        raise ValueError(f"{', '.join(given)} does not apply to --pretokenized")
     out = prepare_pretokenized(
         args.pretokenized,
         args.out,
@@ -397,6 +419,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--text-field", default="text", help="JSON field or column holding the text (default text)"
+    )
+    p.add_argument(
+        "--hf-dataset",
+        metavar="NAME",
+        help="a Hugging Face dataset by name, through datasets.load_dataset (a Hub name, or a "
+        "local directory of data files; needs the data extra); read after the files",
+    )
+    p.add_argument("--hf-config", help="--hf-dataset: its configuration (subset), if it has some")
+    p.add_argument("--hf-split", help="--hf-dataset: the split to read (default train)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="tokenizing processes (default: one per core, at most one per 8 MiB of input; "
+        "1 = in this process). An interrupted prepare leaves OUT.partial; the same command "
+        "resumes from it",
     )
     p.add_argument(
         "--pretokenized",

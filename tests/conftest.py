@@ -179,3 +179,17 @@ def two_source_mix(tmp_path: Path, repeats: int = 40, num_docs: int = 40) -> str
         src.write_text("".join(docs))
         paths.append(prepare([src], tmp_path / name, progress=False))
     return f"data.sources=[{{path: {paths[0]}, weight: 0.7}}, {{path: {paths[1]}, weight: 0.3}}]"
+
+
+def assert_failed_prepare_left(directory: Path, before: list[Path], out: Path) -> None:
+    """After a failed `prepare` into `out`: no output, nothing new in `directory` but the work
+    directory ``out.partial``, and in that only finished units (nothing partly written)."""
+    work = out.with_name(f"{out.name}.partial")
+    assert not out.exists()
+    assert [p for p in sorted(directory.iterdir()) if p != work] == sorted(before)
+    if work.exists():
+        names = sorted(p.name for p in work.iterdir())
+        units = {n.removesuffix(".tokens") for n in names if n.endswith(".tokens")}
+        files = [f"{u}.{kind}" for u in units for kind in ("tokens", "lengths", "json")]
+        assert units, "a work directory without finished units is removed"
+        assert names == sorted(["lock", "settings.json", *files])

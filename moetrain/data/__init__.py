@@ -1,53 +1,48 @@
 """Data: tokenizers, token directories on disk, the embedded default corpus and batch loaders.
 
-Nothing here imports moetrain beyond `moetrain.config`; every layer above may import it.
+Nothing here imports moetrain beyond `moetrain.config`; every layer above may import it. The
+names below are imported on first use, so that a process that only reads and tokenizes text
+(`moetrain prepare` and its worker processes) does not import torch, which the loaders need.
 """
 
-from moetrain.data.corpus import cache_dir, embedded_corpus, embedded_documents, unigram_entropy
-from moetrain.data.loader import (
-    RandomTokenLoader,
-    SequenceLoader,
-    check_same_data,
-    data_fingerprint,
-    open_data,
-    resolve_eos_id,
-    resolve_vocab_size,
-)
-from moetrain.data.mix import MixedLoader, source_labels
-from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from moetrain.data.tokens import (
-    fingerprint,
-    load_dir_tokenizer,
-    load_split,
-    prepare,
-    read_meta,
-    split_documents,
-    write_token_dir,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ByteTokenizer",
-    "HFTokenizer",
-    "MixedLoader",
-    "RandomTokenLoader",
-    "SequenceLoader",
-    "Tokenizer",
-    "cache_dir",
-    "check_same_data",
-    "data_fingerprint",
-    "embedded_corpus",
-    "embedded_documents",
-    "fingerprint",
-    "load_dir_tokenizer",
-    "load_split",
-    "load_tokenizer",
-    "open_data",
-    "prepare",
-    "read_meta",
-    "resolve_eos_id",
-    "resolve_vocab_size",
-    "source_labels",
-    "split_documents",
-    "unigram_entropy",
-    "write_token_dir",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "cache_dir": "corpus",
+    "embedded_corpus": "corpus",
+    "embedded_documents": "corpus",
+    "unigram_entropy": "corpus",
+    "RandomTokenLoader": "loader",
+    "SequenceLoader": "loader",
+    "check_same_data": "loader",
+    "data_fingerprint": "loader",
+    "open_data": "loader",
+    "resolve_eos_id": "loader",
+    "resolve_vocab_size": "loader",
+    "MixedLoader": "mix",
+    "source_labels": "mix",
+    "prepare": "prepare_text",
+    "ByteTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "fingerprint": "tokens",
+    "load_dir_tokenizer": "tokens",
+    "load_split": "tokens",
+    "read_meta": "tokens",
+    "split_documents": "tokens",
+    "write_token_dir": "tokens",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,29 +1,64 @@
-"""Text documents from the files a user brings to `moetrain prepare`, in a fixed order.
+"""Text documents from the inputs a user brings to `moetrain prepare`, in a fixed order.
 
 Inputs are files, directories and glob patterns; `expand_inputs` turns them into a sorted list
 of sources (a directory is searched recursively for files of a known type, plain ``.json``
-excepted, and for Hugging Face datasets saved with `save_to_disk`, each one source). `read_documents` yields the
-text of each document: a ``.txt`` file is one document; JSON lines (``.jsonl``, ``.json``,
-optionally ``.gz`` or ``.zst`` compressed) hold one document per line in a string field;
-``.parquet`` files and saved Hugging Face datasets hold one per row in a string column. Blank
-lines and empty texts are skipped; a source without any document is an error. A malformed record
-is a one-line `ValueError` naming the file and its line (or row). The compressed and columnar
-formats need optional packages (the `data` extra); a missing one is an error naming the extra.
+excepted, and for Hugging Face datasets saved with `save_to_disk`, each one source);
+`load_named_dataset` adds a Hugging Face dataset by name. `read_documents` yields the text of
+each document: a ``.txt`` file is one document; JSON lines (``.jsonl``, ``.json``, optionally
+``.gz`` or ``.zst`` compressed) hold one document per line in a string field; ``.parquet`` files
+and Hugging Face datasets hold one per row in a string column. Blank lines and empty texts are
+skipped. A malformed record is a one-line `ValueError` naming the file and its line (or row).
+`split_source` cuts a large source into `Part`s that are read on their own (plain JSON lines at
+line starts, Parquet at row groups, datasets at rows; compressed and .txt files stay whole), and
+the parts of a source read in order yield exactly its documents, with the same line and row
+numbers in errors. The compressed and columnar formats need optional packages (the `data`
+extra); a missing one is an error naming the extra.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import io
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 SUFFIXES = (".txt", ".parquet", *JSON_SUFFIXES)
 _HF_MARKERS = ("dataset_info.json", "state.json")
+
+
+@dataclass(frozen=True)
+class NamedDataset:
+    """One split of a Hugging Face dataset loaded by name (`load_named_dataset`), read from the
+    Arrow files of its cache, in order."""
+
+    name: str
+    config: str | None
+    split: str
+    files: tuple[Path, ...]
+
+    def __str__(self) -> str:
+        config = f", config {self.config}" if self.config else ""
+        return f"Hugging Face dataset {self.name} ({self.split} split{config})"
+
+
+Source = Path | NamedDataset
+
+
+@dataclass(frozen=True)
+class Part:
+    """A slice of a source that can be read on its own: bytes [start, stop) of plain JSON lines
+    (both line starts), row groups [start, stop) of a Parquet file, or rows [start, stop) of a
+    dataset; ``stop=None`` reads to the end. `num_bytes` is its share of the input bytes."""
+
+    start: int = 0
+    stop: int | None = None
+    num_bytes: int = 0
 
 
 def _suffix(path: Path) -> str | None:
@@ -60,11 +95,15 @@ def _walk(root: Path) -> list[Path]:
     return found
 
 
-def expand_inputs(inputs: list[str | Path]) -> list[Path]:
+def expand_inputs(inputs: list[str | Path | NamedDataset]) -> list[Source]:
     """Files, saved datasets, directories and glob patterns -> the sources, each once, in order
-    (the inputs' order; inside a directory or a pattern, sorted by path)."""
-    sources: list[Path] = []
+    (the inputs' order; inside a directory or a pattern, sorted by path). Named datasets
+    (`load_named_dataset`) pass through."""
+    sources: list[Source] = []
     for spec in inputs:
+        if isinstance(spec, NamedDataset):
+            sources.append(spec)
+            continue
         path = Path(spec)
         if glob.has_magic(str(spec)) and not path.exists():
             matches = [Path(p) for p in sorted(glob.glob(str(spec), recursive=True))]
@@ -93,29 +132,122 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
     return list(dict.fromkeys(sources))
 
 
-def source_bytes(path: Path) -> int:
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*.arrow"))
-    return path.stat().st_size
+def load_named_dataset(name: str, config: str | None = None, split: str = "train") -> NamedDataset:
+    """One split of a Hugging Face dataset by name, through `datasets.load_dataset`: a name on
+    the Hub (downloaded once into the `datasets` cache), or a local directory of data files."""
+    datasets = _optional("datasets", "datasets", f"the Hugging Face dataset {name}")
+    try:
+        dataset = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # network, missing config or split: each its own exception type
+        what = f"{name}" + (f" (config {config})" if config else "")
+        raise ValueError(
+            f"cannot load the Hugging Face dataset {what}, split {split}: {exc}"
+        ) from None
+    files = tuple(Path(f["filename"]) for f in dataset.cache_files)
+    if not files:
+        raise ValueError(f"the Hugging Face dataset {name} was loaded in memory, not from files")
+    return NamedDataset(name, config, split, files)
 
 
-def read_documents(path: Path, text_field: str, advance: Callable[[int], None]) -> Iterator[str]:
-    """The non-empty documents of one source; `advance` is told the input bytes consumed."""
-    num_docs = 0
-    if is_hf_dataset(path):
-        reader = _read_hf_dataset(path, text_field, advance)
-    elif _suffix(path) == ".txt":
-        reader = _read_txt(path, advance)
-    elif _suffix(path) == ".parquet":
-        reader = _read_parquet(path, text_field, advance)
+def _files_of(source: Source) -> list[Path]:
+    if isinstance(source, NamedDataset):
+        return list(source.files)
+    if source.is_dir():
+        return sorted(p for p in source.rglob("*") if p.is_file())
+    return [source]
+
+
+def source_bytes(source: Source) -> int:
+    if isinstance(source, Path) and not source.is_dir():
+        return source.stat().st_size
+    return sum(f.stat().st_size for f in _files_of(source) if f.suffix == ".arrow")
+
+
+def source_identity(source: Source) -> list[list[Any]]:
+    """What names a source's content cheaply: the absolute path, size and modification time of
+    each of its files (rewriting a file changes it); it is compared, never read back."""
+    stats = [(f.resolve(), f.stat()) for f in _files_of(source)]
+    return [[str(path), stat.st_size, stat.st_mtime_ns] for path, stat in stats]
+
+
+def split_source(source: Source, target_bytes: int) -> list[Part]:
+    """The parts of a source, each about `target_bytes` of input (see the module docstring)."""
+    if isinstance(source, NamedDataset) or is_hf_dataset(source):
+        return _row_parts(len(_open_dataset(source)), source_bytes(source), target_bytes)
+    size = source.stat().st_size
+    if _suffix(source) == ".parquet":
+        return _parquet_parts(source, size, target_bytes)
+    if _suffix(source) in (".jsonl", ".json"):
+        return _line_parts(source, size, target_bytes)
+    return [Part(0, None, size)]
+
+
+def _num_parts(num_bytes: int, target_bytes: int) -> int:
+    if target_bytes < 1:
+        raise ValueError(f"the target bytes of a part ({target_bytes}) must be >= 1")
+    return max(1, -(-num_bytes // target_bytes))
+
+
+def _line_parts(path: Path, size: int, target_bytes: int) -> list[Part]:
+    cuts = [0]
+    count = _num_parts(size, target_bytes)
+    with open(path, "rb") as f:
+        for i in range(1, count):
+            f.seek(max(size * i // count - 1, cuts[-1]))
+            f.readline()  # to the first line start at or after the target
+            if cuts[-1] < f.tell() < size:
+                cuts.append(f.tell())
+    cuts.append(size)
+    return [Part(a, b, b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _rows_to_parts(boundaries: list[int], rows: list[int], num_bytes: int) -> list[Part]:
+    """Parts [boundaries[i], boundaries[i + 1]) whose bytes are shares of `num_bytes` by the
+    rows they cover (`rows[b]` rows precede boundary b); the shares add up to `num_bytes`."""
+    total = max(rows[boundaries[-1]], 1)
+    share = [num_bytes * rows[b] // total for b in boundaries]
+    share[-1] = num_bytes
+    return [
+        Part(a, b, share[i + 1] - share[i])
+        for i, (a, b) in enumerate(zip(boundaries, boundaries[1:], strict=False))
+    ]
+
+
+def _row_parts(num_rows: int, num_bytes: int, target_bytes: int) -> list[Part]:
+    count = min(_num_parts(num_bytes, target_bytes), max(num_rows, 1))
+    boundaries = [num_rows * i // count for i in range(count + 1)]
+    return _rows_to_parts(boundaries, list(range(num_rows + 1)), num_bytes)
+
+
+def _parquet_parts(path: Path, size: int, target_bytes: int) -> list[Part]:
+    rows = _parquet_group_rows(_open_parquet(path))
+    per_part = -(-rows[-1] // _num_parts(size, target_bytes))
+    num_groups = len(rows) - 1
+    boundaries = [0]
+    for group in range(1, num_groups):
+        if rows[group] - rows[boundaries[-1]] >= per_part:
+            boundaries.append(group)
+    return _rows_to_parts([*boundaries, num_groups], rows, size)
+
+
+def read_documents(
+    source: Source, text_field: str, advance: Callable[[int], None], part: Part = Part()
+) -> Iterator[str]:
+    """The non-empty documents of one source, or of one part of it; `advance` is told the input
+    bytes consumed."""
+    if isinstance(source, NamedDataset) or is_hf_dataset(source):
+        reader = _read_dataset(source, text_field, advance, part)
+    elif _suffix(source) == ".txt":
+        reader = _read_txt(source, advance)
+    elif _suffix(source) == ".parquet":
+        reader = _read_parquet(source, text_field, advance, part)
     else:
-        reader = _read_json_lines(path, text_field, advance)
-    for text in reader:
-        if text:
-            num_docs += 1
-            yield text
-    if num_docs == 0:
-        raise ValueError(f"input {path} holds no documents (no non-empty {text_field!r} text)")
+        reader = _read_json_lines(source, text_field, advance, part)
+    return (text for text in reader if text)
+
+
+def no_documents_error(source: Source, text_field: str) -> ValueError:
+    return ValueError(f"input {source} holds no documents (no non-empty {text_field!r} text)")
 
 
 def _read_txt(path: Path, advance: Callable[[int], None]) -> Iterator[str]:
@@ -151,19 +283,38 @@ def _open_stream(path: Path, raw: IO[bytes]) -> tuple[IO[bytes], tuple[type[Exce
     return raw, ()
 
 
-def _read_json_lines(path: Path, text_field: str, advance: Callable[[int], None]) -> Iterator[str]:
+def _lines_before(path: Path, offset: int) -> int:
+    """The number of line ends in the first `offset` bytes of a file (for error messages only,
+    so a part that starts deep in a file pays nothing unless one of its records is bad)."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            block = f.read(min(offset, 16 << 20))
+            count += block.count(b"\n")
+            offset -= len(block)
+    return count
+
+
+def _read_json_lines(
+    path: Path, text_field: str, advance: Callable[[int], None], part: Part
+) -> Iterator[str]:
     with open(path, "rb") as raw:
         stream, damaged = _open_stream(path, raw)
-        consumed = line_no = 0
+        raw.seek(part.start)  # only plain files are split, so start is 0 for the others
+        consumed, line_no = part.start, 0
         lines = enumerate(stream, start=1)
-        while True:
+
+        def where(n: int) -> str:
+            return f"{path}:{n + (_lines_before(path, part.start) if part.start else 0)}"
+
+        while part.stop is None or consumed < part.stop:
             try:
                 line_no, line = next(lines)
             except StopIteration:
                 break
             except damaged as exc:
                 raise ValueError(
-                    f"{path}:{line_no + 1}: cannot decompress ({exc}); the file is truncated "
+                    f"{where(line_no + 1)}: cannot decompress ({exc}); the file is truncated "
                     "or corrupt"
                 ) from None
             advance(raw.tell() - consumed)
@@ -173,26 +324,29 @@ def _read_json_lines(path: Path, text_field: str, advance: Callable[[int], None]
             try:
                 record = json.loads(line)
             except ValueError as exc:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({exc})") from None
+                raise ValueError(f"{where(line_no)}: not valid JSON ({exc})") from None
             text = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise ValueError(
-                    f"{path}:{line_no}: expected a JSON object with a string {json.dumps(text_field)} field"
+                    f"{where(line_no)}: expected a JSON object with a string "
+                    f"{json.dumps(text_field)} field"
                 )
             yield text
 
 
 def _texts_of_tables(
-    where: Path,
+    where: Source,
     tables: Iterator[Any],
     text_field: str,
     advance: Callable[[int], None],
-    total_bytes: int,
-    total_rows: int,
+    num_bytes: int,
+    rows: tuple[int, int],
 ) -> Iterator[str]:
-    """The strings of column `text_field` of Arrow tables or record batches, row by row; input
-    bytes are reported in proportion to the rows read (columnar files have no line positions)."""
-    row = reported = 0
+    """The strings of column `text_field` of Arrow tables or record batches that hold rows
+    [rows[0], rows[1]) of `where`, row by row; the part's `num_bytes` are reported in proportion
+    to the rows read (columnar files have no line positions)."""
+    first, stop = rows
+    row, reported = first, 0
     for table in tables:
         for text in table.column(text_field).to_pylist():
             row += 1
@@ -201,12 +355,12 @@ def _texts_of_tables(
                     f"{where}: row {row}: column {text_field!r} holds {text!r}, not a string"
                 )
             yield text
-        done = total_bytes * row // max(total_rows, 1)
+        done = num_bytes * (row - first) // max(stop - first, 1)
         advance(done - reported)
         reported = done
 
 
-def _check_column(where: Path, names: list[str], text_field: str) -> None:
+def _check_column(where: Source, names: list[str], text_field: str) -> None:
     if text_field not in names:
         raise ValueError(
             f"{where} has no column {text_field!r} (its columns: {', '.join(names)}); "
@@ -214,35 +368,71 @@ def _check_column(where: Path, names: list[str], text_field: str) -> None:
         )
 
 
-def _read_parquet(path: Path, text_field: str, advance: Callable[[int], None]) -> Iterator[str]:
+def _open_parquet(path: Path) -> Any:
     _optional("pyarrow", "pyarrow", f"{path} (Parquet)")
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid (a ValueError) or OSError
         raise ValueError(f"{path} is not a readable Parquet file ({exc})") from None
+
+
+def _parquet_group_rows(parquet: Any) -> list[int]:
+    """The number of rows before each row group, and in all of them at the end."""
+    rows = [0]
+    for group in range(parquet.num_row_groups):
+        rows.append(rows[-1] + parquet.metadata.row_group(group).num_rows)
+    return rows
+
+
+def _read_parquet(
+    path: Path, text_field: str, advance: Callable[[int], None], part: Part
+) -> Iterator[str]:
+    parquet = _open_parquet(path)
     _check_column(path, parquet.schema_arrow.names, text_field)
-    groups = (
-        parquet.read_row_group(i, columns=[text_field]) for i in range(parquet.num_row_groups)
-    )
-    total = (path.stat().st_size, parquet.metadata.num_rows)
-    yield from _texts_of_tables(path, groups, text_field, advance, *total)
+    rows = _parquet_group_rows(parquet)
+    groups = range(part.start, parquet.num_row_groups if part.stop is None else part.stop)
+    tables = (parquet.read_row_group(i, columns=[text_field]) for i in groups)
+    num_bytes = part.num_bytes if part.stop is not None else path.stat().st_size
+    span = (rows[groups.start], rows[groups.stop])
+    yield from _texts_of_tables(path, tables, text_field, advance, num_bytes, span)
 
 
-def _read_hf_dataset(path: Path, text_field: str, advance: Callable[[int], None]) -> Iterator[str]:
-    datasets = _optional("datasets", "datasets", f"the Hugging Face dataset {path}")
+def _open_dataset(source: Source) -> Any:
+    """A saved or named dataset, memory-mapped from its Arrow files."""
+    return _open_dataset_of(source, json.dumps(source_identity(source)))
+
+
+@functools.lru_cache(maxsize=4)  # the parts of one dataset, read one after another
+def _open_dataset_of(source: Source, identity: str) -> Any:
+    """`_open_dataset`, cached while the dataset's files are unchanged (`identity`)."""
+    datasets = _optional("datasets", "datasets", f"the Hugging Face dataset {source}")
+    if isinstance(source, NamedDataset):
+        try:
+            parts = [datasets.Dataset.from_file(str(f)) for f in source.files]
+        except Exception as exc:
+            raise ValueError(f"cannot read the cached files of the {source} ({exc})") from None
+        return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     try:
-        dataset = datasets.load_from_disk(str(path))
+        dataset = datasets.load_from_disk(str(source))
     except Exception as exc:
-        raise ValueError(f"{path} is not a loadable saved Hugging Face dataset ({exc})") from None
+        raise ValueError(f"{source} is not a loadable saved Hugging Face dataset ({exc})") from None
     if isinstance(dataset, datasets.DatasetDict):
         raise ValueError(
-            f"{path} holds a DatasetDict (splits {', '.join(dataset)}); give one split's "
-            f"directory, e.g. {path / next(iter(dataset))}"
+            f"{source} holds a DatasetDict (splits {', '.join(dataset)}); give one split's "
+            f"directory, e.g. {source / next(iter(dataset))}"
         )
-    _check_column(path, dataset.column_names, text_field)
-    columns = dataset.select_columns([text_field])
-    batches = columns.with_format("arrow").iter(batch_size=1024)  # the saved row order
-    total = (source_bytes(path), len(dataset))
-    yield from _texts_of_tables(path, batches, text_field, advance, *total)
+    return dataset
+
+
+def _read_dataset(
+    source: Source, text_field: str, advance: Callable[[int], None], part: Part
+) -> Iterator[str]:
+    dataset = _open_dataset(source)
+    _check_column(source, dataset.column_names, text_field)
+    stop = len(dataset) if part.stop is None else part.stop
+    rows = dataset.select_columns([text_field]).select(range(part.start, stop))
+    batches = rows.with_format("arrow").iter(batch_size=1024)  # the saved row order
+    num_bytes = part.num_bytes if part.stop is not None else source_bytes(source)
+    yield from _texts_of_tables(source, batches, text_field, advance, num_bytes, (part.start, stop))

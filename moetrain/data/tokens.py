@@ -3,16 +3,18 @@
 A token directory holds ``train.npy`` and ``val.npy`` (flat 1-D arrays of token ids, uint16 when
 the vocabulary fits in 16 bits, else uint32; every document is followed by the tokenizer's EOS
 id), ``meta.json`` (format, version, tokenizer, vocab_size, eos_id, dtype, per-split token and
-document counts, per-split SHA-256 of the token bytes) and, for a Hugging Face tokenizer, a copy of its ``tokenizer.json`` so the
-directory stays readable when the original file moves. Invariants: a directory is written into
-a temporary sibling and renamed into place at the end, so a crash or a bad input never leaves a
-partial directory; both splits hold at least one document; readers memory-map the arrays and
-check them against meta.json, so a truncated or foreign file is a `ValueError` naming the file.
-`prepare` refuses a non-empty output directory unless told to overwrite it: a run trained on the
-old tokens could not resume on new ones. `fingerprint` names a directory's content, cheaply (see
-its docstring); runs record it so that a resume on changed data is an error. A pre-tokenized
-corpus (`moetrain.data.pretokenized`) is a token directory whose meta.json lists the user's
-token files instead of holding ``train.npy`` and ``val.npy``; `load_split` reads either kind.
+document counts, per-split SHA-256 of the token bytes) and, for a Hugging Face tokenizer, a copy
+of its ``tokenizer.json`` so the directory stays readable when the original file moves.
+Invariants: a directory is written into a temporary sibling and renamed into place at the end,
+so a crash or a bad input never leaves a partial directory; both splits hold at least one
+document; readers memory-map the arrays and check them against meta.json, so a truncated or
+foreign file is a `ValueError` naming the file. `prepare` (`moetrain.data.prepare_text`) refuses
+a non-empty output directory unless told to overwrite it (`check_not_prepared`): a run trained
+on the old tokens could not resume on new ones. `fingerprint` names a directory's content,
+cheaply (see its docstring); runs record it so that a resume on changed data is an error. A
+pre-tokenized corpus (`moetrain.data.pretokenized`) is a token directory whose meta.json lists
+the user's token files instead of holding ``train.npy`` and ``val.npy``; `load_split` reads
+either kind.
 """
 
 from __future__ import annotations
@@ -29,10 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-from moetrain.data.documents import expand_inputs, read_documents, source_bytes
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 FORMAT = "moetrain-tokens"
@@ -73,76 +72,16 @@ def split_documents(
         yield ("val" if num_val == 0 else "train"), pending
 
 
-def prepare(
-    inputs: list[str | Path],
-    out_dir: str | Path,
-    tokenizer: str = "byte",
-    val_fraction: float = 0.05,
-    progress: bool = True,
-    overwrite: bool = False,
-    text_field: str = "text",
-) -> Path:
-    """Tokenize text files into a token directory at `out_dir` (see the module docstring).
-
-    `inputs` are files, directories or glob patterns (`documents.expand_inputs`). A ``.txt``
-    file is one document (a book or an article keeps its long-range context); JSON lines (plain,
-    ``.gz`` or ``.zst``), Parquet files and saved Hugging Face datasets hold one document per
-    line or row, in their string `text_field` (blank lines and empty texts are skipped).
-    Documents are held out for val by `split_documents`, in input order.
-    An existing token directory at `out_dir` is replaced only with `overwrite` (the runs trained
-    on it would no longer resume); other non-empty directories are never replaced.
-    """
-    out = Path(out_dir)
-    check_not_prepared(out, overwrite)
-    if not inputs:
-        raise ValueError("prepare needs at least one input file")
-    sources = expand_inputs(inputs)
-    check_val_fraction(val_fraction)
-    tok = load_tokenizer(tokenizer)
-    bar = _ByteProgress(progress, sum(source_bytes(p) for p in sources))
-    with bar.bar:
-        docs = (tok.encode_array(text) for text in _read_all(sources, text_field, bar))
-        out = write_token_dir(out_dir, split_documents(docs, val_fraction), tok)
-        bar.flush()
-    return out
-
-
 def check_not_prepared(out: Path, overwrite: bool) -> None:
-    if not overwrite and (out / "meta.json").is_file():  # other contents: write_token_dir refuses
+    """Before any work: `out` must be absent, an empty directory, or (with `overwrite`) a token
+    directory; anything else is refused now, not after hours of tokenizing."""
+    if not overwrite and (out / "meta.json").is_file():
         raise ValueError(
             f"output directory {out} is not empty: it holds a token directory, and runs trained "
             "on it could not resume on other tokens; choose another --out, or pass --overwrite "
             "to replace it"
         )
-
-
-def _read_all(sources: list[Path], text_field: str, bar: _ByteProgress) -> Iterator[str]:
-    for path in sources:
-        bar.start_file(path)
-        yield from read_documents(path, text_field, bar.advance)
-
-
-class _ByteProgress:
-    """A rich progress bar over input bytes; updates are batched because rich locks per call."""
-
-    def __init__(self, enabled: bool, total_bytes: int):
-        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn())
-        self.bar = Progress(*columns, console=Console(stderr=True), disable=not enabled)
-        self.task = self.bar.add_task("tokenizing", total=total_bytes)
-        self.pending = 0
-
-    def start_file(self, path: Path) -> None:
-        self.flush()
-        self.bar.update(self.task, description=f"tokenizing {path.name}")
-
-    def advance(self, num_bytes: int) -> None:
-        self.pending += num_bytes
-        if self.pending >= 1 << 20:
-            self.flush()
-
-    def flush(self) -> None:
-        self.bar.advance(self.task, self.pending)
-        self.pending = 0
+    _check_destination(out)
 
 
 def write_token_dir(

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import assert_failed_prepare_left
 
 from moetrain.data import ByteTokenizer, load_split, prepare
 from moetrain.data.documents import expand_inputs
@@ -54,7 +55,7 @@ def test_zstd_json_lines_and_text_field(tmp_path):
     assert sorted(all_docs(out)) == sorted(TEXTS)
     with pytest.raises(ValueError, match=r'shard\.jsonl\.zst:1: expected .*"text"'):
         prepare([tmp_path / "shard.jsonl.zst"], tmp_path / "tok2", progress=False)
-    assert not (tmp_path / "tok2").exists()
+    assert not (tmp_path / "tok2").exists() and not (tmp_path / "tok2.partial").exists()
 
 
 def test_parquet_directory_of_shards(tmp_path):
@@ -84,6 +85,38 @@ def test_hf_dataset_saved_to_disk(tmp_path):
         prepare([tmp_path / "dd"], tmp_path / "tok3", progress=False)
     out = prepare([tmp_path / "dd" / "train"], tmp_path / "tok3", val_fraction=0.2, progress=False)
     assert decoded(out, "val") == [TEXTS[4]]
+
+
+def test_hf_dataset_by_name_from_a_local_directory(tmp_path, monkeypatch, capsys):
+    datasets = pytest.importorskip("datasets")
+    from moetrain.cli import main
+    from moetrain.data.documents import load_named_dataset
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "part-0.jsonl").write_bytes(jsonl_bytes(TEXTS[:3]))
+    (tmp_path / "corpus" / "part-1.jsonl").write_bytes(jsonl_bytes(TEXTS[3:]))
+    args = ["prepare", "--hf-dataset", str(tmp_path / "corpus"), "--val-fraction", "0.2"]
+    assert main([*args, "--out", str(tmp_path / "tok"), "--quiet"]) == 0
+    assert decoded(tmp_path / "tok", "train") + decoded(tmp_path / "tok", "val") == TEXTS
+    # In row parts, in two workers, and saved to disk: the same tokens.
+    named = load_named_dataset(str(tmp_path / "corpus"))
+    datasets.Dataset.from_file(str(named.files[0])).save_to_disk(tmp_path / "ds")
+    for name, source, workers in (("named", named, 2), ("saved", tmp_path / "ds", 1)):
+        prepare([source], tmp_path / name, val_fraction=0.2, workers=workers, unit_bytes=64)
+        for split in ("train", "val"):
+            expected = np.asarray(load_split(tmp_path / "tok", split))
+            assert np.array_equal(load_split(tmp_path / name, split), expected)
+    capsys.readouterr()
+    assert main([*args, "--hf-split", "test", "--out", str(tmp_path / "x")]) == 2
+    assert "cannot load the Hugging Face dataset" in capsys.readouterr().err
+    assert main(["prepare", "--hf-config", "en", "--out", str(tmp_path / "x")]) == 2
+    assert "--hf-config needs --hf-dataset NAME" in capsys.readouterr().err
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)
+    with pytest.raises(
+        ValueError, match=r"needs the optional package datasets: .*moetrain\[data\]"
+    ):
+        load_named_dataset(str(tmp_path / "corpus"))
 
 
 def test_formats_agree_with_plain_jsonl(tmp_path):
@@ -122,7 +155,7 @@ def test_formats_agree_with_plain_jsonl(tmp_path):
         ("junk.parquet", lambda: b"PAR1 not really", r"junk\.parquet is not a readable Parquet"),
     ],
 )
-def test_malformed_records_name_file_and_line_and_leave_nothing(tmp_path, name, make, match):
+def test_malformed_records_name_file_and_line_and_install_nothing(tmp_path, name, make, match):
     if "zst" in name:
         pytest.importorskip("zstandard")
     if "parquet" in name:
@@ -133,7 +166,7 @@ def test_malformed_records_name_file_and_line_and_leave_nothing(tmp_path, name, 
     before = sorted(tmp_path.iterdir())
     with pytest.raises(ValueError, match=match):
         prepare([good, tmp_path / name], tmp_path / "tok", progress=False)
-    assert sorted(tmp_path.iterdir()) == before
+    assert_failed_prepare_left(tmp_path, before, tmp_path / "tok")
 
 
 def test_parquet_non_string_row_names_the_row(tmp_path):
@@ -210,3 +243,9 @@ def test_cli_prepare_directory_with_text_field(tmp_path, capsys):
     assert sorted(all_docs(tmp_path / "tok")) == sorted(TEXTS)
     assert main(["prepare", "--out", str(tmp_path / "x")]) == 2
     assert "prepare needs input files" in capsys.readouterr().err
+    assert main([*args, "--text-field", "body", "--overwrite", "--workers", "0"]) == 2
+    assert "workers (0) must be >= 1" in capsys.readouterr().err
+    pretokenized = ["prepare", "--pretokenized", str(shards), "--out", str(tmp_path / "y")]
+    pretokenized += ["--dtype", "uint16", "--eos-id", "0", "--vocab-size", "9"]
+    assert main([*pretokenized, "--workers", "2"]) == 2
+    assert "--workers does not apply to --pretokenized" in capsys.readouterr().err

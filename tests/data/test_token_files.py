@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import assert_failed_prepare_left
 
 from moetrain.data import ByteTokenizer, load_split, prepare, read_meta, split_documents
 from moetrain.data.tokens import fingerprint, write_token_dir
@@ -41,7 +42,7 @@ def write_txt(tmp_path, texts):
 
 
 def assert_nothing_left(tmp_path, inputs):
-    assert sorted(tmp_path.iterdir()) == sorted(inputs)
+    assert_failed_prepare_left(tmp_path, inputs, tmp_path / "tokens")
 
 
 def test_prepare_txt_round_trip(tmp_path):
@@ -149,6 +150,7 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
     with pytest.raises(ValueError, match="not a moetrain token directory; refusing"):
         prepare(inputs, foreign, progress=False)
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    assert not (tmp_path / "mine.partial").exists()  # refused before any tokenizing
     (foreign / "notes.txt").unlink()
     prepare(inputs, foreign, progress=False)  # an empty directory is fine
     assert read_meta(foreign)["num_documents"]["train"] == 4

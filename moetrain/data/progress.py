@@ -1,0 +1,78 @@
+"""The progress of a `prepare`: input bytes (and their rate), documents and tokens.
+
+On a terminal a live rich bar shows them; elsewhere (a log file, a batch job) nothing is drawn
+while the work runs, and one summary line is printed at the end. Counts arrive in batches from
+the tokenizing workers; `finish` takes the exact totals from the units' records, since the last
+batches of a worker may still be in flight. Tokens are counted as the token directory holds
+them: each document's, plus the EOS that ends it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+
+class TokenizeProgress:
+    """Used as a context manager around the tokenizing; `done` = (bytes, documents, tokens)
+    finished before this run (a resume), which are shown but not counted in the rate."""
+
+    def __init__(self, enabled: bool, total_bytes: int, done: tuple[int, int, int], workers: int):
+        console = Console(stderr=True)
+        self.summary = enabled and not console.is_terminal
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TextColumn("{task.fields[docs]:,} documents, {task.fields[tokens]:,} tokens"),
+            TimeRemainingColumn(),
+        )
+        self.bar = Progress(*columns, console=console, disable=not enabled or self.summary)
+        self.workers = workers
+        description = f"tokenizing ({workers} worker{'s' if workers > 1 else ''})"
+        self.task = self.bar.add_task(
+            description, total=total_bytes, completed=done[0], docs=0, tokens=0
+        )
+        self.done = done
+        self.counts = [0, 0]
+        self.add(0, *done[1:])
+        self.start = time.perf_counter()
+
+    def __enter__(self) -> TokenizeProgress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.stop()
+
+    def add(self, num_bytes: int, num_docs: int, num_tokens: int) -> None:
+        self.counts = [self.counts[0] + num_docs, self.counts[1] + num_tokens + num_docs]
+        self.bar.update(self.task, advance=num_bytes, docs=self.counts[0], tokens=self.counts[1])
+
+    def finish(self, total: tuple[int, int, int]) -> None:
+        """Show the exact totals, and print the summary line when there is no live bar."""
+        num_bytes, num_docs, num_tokens = total[0], total[1], total[2] + total[1]
+        self.bar.update(self.task, completed=num_bytes, docs=num_docs, tokens=num_tokens)
+        if not self.summary:
+            return
+        seconds = time.perf_counter() - self.start
+        rate = (num_bytes - self.done[0]) / 1e6 / max(seconds, 1e-9)
+        kept = f" ({self.done[1]:,} documents were done before)" if self.done[1] else ""
+        print(
+            f"tokenized {num_docs:,} documents, {num_bytes / 1e6:,.1f} MB, into {num_tokens:,} "
+            f"tokens in {seconds:.1f} s: {rate:.2f} MB/s with {self.workers} worker"
+            f"{'s' if self.workers > 1 else ''}{kept}",
+            file=sys.stderr,
+        )
