@@ -48,6 +48,7 @@ from moetrain.optim.buckets import (
     param_entries,
 )
 from moetrain.optim.clip import EXPERT, clip_coefficient
+from moetrain.optim.grad_hooks import weak_grad_hook
 from moetrain.optim.sharded_state import ShardState, copy_chunks, shard_state
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -135,8 +136,10 @@ class ShardedAdamW:
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self._where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
         self._hooks = [
-            param.register_post_accumulate_grad_hook(self._hook(bucket, index))
-            for bucket in self.buckets
+            param.register_post_accumulate_grad_hook(
+                weak_grad_hook(self, ShardedAdamW._on_grad_accumulated, b, index)
+            )
+            for b, bucket in enumerate(self.buckets)
             for index, param in enumerate(bucket.params)
         ]
 
@@ -150,27 +153,25 @@ class ShardedAdamW:
         finally:
             self._sync_enabled = previous
 
-    def _hook(self, bucket: Bucket, index: int):
-        def on_grad_accumulated(param: torch.Tensor) -> None:
-            if not bucket.grad_is_view:  # add this backward's .grad into the bucket, free it
-                self._collect_grad(bucket, index)
-            if not self._sync_enabled:
-                return
-            if bucket.launched or index in bucket.ready:
-                raise RuntimeError(
-                    f"gradient of {bucket.names[index]} accumulated again after it was ready for "
-                    "reduction: run gradient-accumulation micro-steps inside opt.no_sync() and "
-                    "call opt.step() / opt.zero_grad() between optimizer steps"
-                )
-            bucket.ready.add(index)
-            # Launch in bucket order only, so every rank issues the same collective sequence.
-            while self._next_launch < len(self.buckets):
-                nxt = self.buckets[self._next_launch]
-                if len(nxt.ready) < len(nxt.params):
-                    break
-                self._launch_reduce(nxt)
-
-        return on_grad_accumulated
+    def _on_grad_accumulated(self, param: torch.Tensor, b: int, index: int) -> None:
+        bucket = self.buckets[b]
+        if not bucket.grad_is_view:  # add this backward's .grad into the bucket, free it
+            self._collect_grad(bucket, index)
+        if not self._sync_enabled:
+            return
+        if bucket.launched or index in bucket.ready:
+            raise RuntimeError(
+                f"gradient of {bucket.names[index]} accumulated again after it was ready for "
+                "reduction: run gradient-accumulation micro-steps inside opt.no_sync() and "
+                "call opt.step() / opt.zero_grad() between optimizer steps"
+            )
+        bucket.ready.add(index)
+        # Launch in bucket order only, so every rank issues the same collective sequence.
+        while self._next_launch < len(self.buckets):
+            nxt = self.buckets[self._next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch_reduce(nxt)
 
     def _collect_grad(self, bucket: Bucket, index: int) -> None:
         """Bring a `.grad` that is not the bucket's view into the bucket. View mode: `.grad` is

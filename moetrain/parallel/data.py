@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from moetrain.moe.layer import MoELayer
+from moetrain.optim.grad_hooks import weak_grad_hook
 from moetrain.parallel.expert import is_expert_param
 from moetrain.parallel.mesh import ParallelDims
 
@@ -147,7 +148,11 @@ class GradientSync:
         for bucket in open_buckets.values():
             bucket.close()
         for param in self._slot:
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hooks.append(
+                param.register_post_accumulate_grad_hook(
+                    weak_grad_hook(self, GradientSync._on_grad_ready)
+                )
+            )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
