@@ -10,40 +10,35 @@ Errors are `ValueError`s that name the field path, the value and what is allowed
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from moetrain.config_types import build_dataclass, coerce, fail
+
 SECTIONS = ("model", "moe", "parallel", "train", "data", "precision")
-
-
-def _fail(path: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"{path} ({value!r}) {allowed}")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if value is not None and value <= 0:
-            _fail(f"{section}.{name}", value, "must be > 0")
+            fail(f"{section}.{name}", value, "must be > 0")
 
 
 def _non_negative(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if value < 0:
-            _fail(f"{section}.{name}", value, "must be >= 0")
+            fail(f"{section}.{name}", value, "must be >= 0")
 
 
 def _choice(section: str, obj: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(obj, name)
     if value not in choices:
-        _fail(f"{section}.{name}", value, f"must be one of {', '.join(choices)}")
+        fail(f"{section}.{name}", value, f"must be one of {', '.join(choices)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,19 +77,19 @@ class ModelConfig:
             "init_std",
         )
         if self.head_dim is None and self.d_model % self.num_heads:
-            _fail(
+            fail(
                 "model.d_model",
                 self.d_model,
                 f"must be divisible by model.num_heads ({self.num_heads}) unless head_dim is set",
             )
         if self.num_heads % self.kv_heads:
-            _fail(
+            fail(
                 "model.num_kv_heads",
                 self.num_kv_heads,
                 f"must divide model.num_heads ({self.num_heads})",
             )
         if not 0 <= self.num_dense_layers <= self.num_layers:
-            _fail(
+            fail(
                 "model.num_dense_layers",
                 self.num_dense_layers,
                 f"must be between 0 and model.num_layers ({self.num_layers})",
@@ -141,13 +136,13 @@ class MoEConfig:
             s, self, "lb_loss_weight", "z_loss_weight", "bias_update_rate", "num_shared_experts"
         )
         if self.top_k > self.num_experts:
-            _fail("moe.top_k", self.top_k, f"must be <= moe.num_experts ({self.num_experts})")
+            fail("moe.top_k", self.top_k, f"must be <= moe.num_experts ({self.num_experts})")
         _choice(s, self, "score_func", ("softmax", "sigmoid"))
         _choice(s, self, "routing", ("learned", "random"))
         _choice(s, self, "lb_scope", ("micro_batch", "global_batch"))
         _choice(s, self, "dispatcher", ("auto", "local", "all_to_all", "no_sync"))
         if self.dispatcher == "no_sync" and self.capacity_factor is None:
-            _fail(
+            fail(
                 "moe.dispatcher",
                 "no_sync",
                 "needs moe.capacity_factor (None, dropless): the no-sync dispatcher has fixed "
@@ -260,14 +255,14 @@ class TrainConfig:
             "spike_sigma",
         )
         if self.spike_window < 2:
-            _fail("train.spike_window", self.spike_window, "must be >= 2 (it measures a spread)")
+            fail("train.spike_window", self.spike_window, "must be >= 2 (it measures a spread)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            _fail("train.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
+            fail("train.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
         if not 0.0 < self.decay_fraction <= 1.0:
-            _fail("train.decay_fraction", self.decay_fraction, "must be in (0, 1]")
+            fail("train.decay_fraction", self.decay_fraction, "must be in (0, 1]")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                _fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
+                fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
         _choice(s, self, "schedule", ("cosine", "linear", "wsd", "constant"))
         _choice(s, self, "optimizer", ("adamw", "sharded"))
         _choice(s, self, "adamw_kernel", ("auto", "torch", "triton"))
@@ -302,19 +297,19 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
-            _fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+            fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
         if self.reset_positions and not self.document_masking:
-            _fail("data.reset_positions", True, "needs data.document_masking=true")
+            fail("data.reset_positions", True, "needs data.document_masking=true")
         if self.eos_id is not None and not self.document_masking:
-            _fail(
+            fail(
                 "data.eos_id",
                 self.eos_id,
                 "is read by document masking only; set data.document_masking=true or leave it null",
             )
         if self.eos_id is not None and self.eos_id < 0:
-            _fail("data.eos_id", self.eos_id, "must be >= 0")
+            fail("data.eos_id", self.eos_id, "must be >= 0")
         if self.document_masking and self.random_tokens and self.eos_id is None:
-            _fail(
+            fail(
                 "data.document_masking",
                 True,
                 "needs data.eos_id with data.random_tokens (random ids have no tokenizer, hence "
@@ -323,17 +318,15 @@ class DataConfig:
         if not self.sources:
             return
         if self.path is not None:
-            _fail(
-                "data.path", self.path, "must be null when data.sources is set (one or the other)"
-            )
+            fail("data.path", self.path, "must be null when data.sources is set (one or the other)")
         if self.random_tokens:
-            _fail("data.random_tokens", True, "cannot be combined with data.sources")
+            fail("data.random_tokens", True, "cannot be combined with data.sources")
         paths = [s.path for s in self.sources]
         for i, source in enumerate(self.sources):
             if not source.weight > 0:
-                _fail(f"data.sources[{i}].weight", source.weight, "must be > 0")
+                fail(f"data.sources[{i}].weight", source.weight, "must be > 0")
             if paths.index(source.path) != i:
-                _fail(f"data.sources[{i}].path", source.path, "is listed twice")
+                fail(f"data.sources[{i}].path", source.path, "is listed twice")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -371,11 +364,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         ep, num_experts = self.parallel.ep, self.moe.num_experts
         if num_experts % ep:
-            _fail("parallel.ep", ep, f"must divide moe.num_experts ({num_experts})")
+            fail("parallel.ep", ep, f"must divide moe.num_experts ({num_experts})")
         if self.parallel.dp is not None and self.parallel.dp % ep:
-            _fail("parallel.ep", ep, f"must divide parallel.dp ({self.parallel.dp})")
+            fail("parallel.ep", ep, f"must divide parallel.dp ({self.parallel.dp})")
         if self.train.optimizer == "sharded" and self.train.adamw_kernel == "triton":
-            _fail(
+            fail(
                 "train.adamw_kernel",
                 "triton",
                 "applies to the replicated AdamW; train.optimizer (sharded) updates its flat "
@@ -383,22 +376,22 @@ class RunConfig:
             )
         for name, width in (("model.d_model", self.model.d_model), ("moe.expert_hidden", self.moe.expert_hidden)):  # fmt: skip
             if width % 8:  # torch._grouped_mm wants 16-byte rows: 8 bf16 or 4 fp32 elements
-                _fail(
+                fail(
                     name, width, "must be a multiple of 8 (the expert GEMM's 16-byte rows in bf16)"
                 )
         if self.parallel.pp > self.model.num_layers:
-            _fail(
+            fail(
                 "parallel.pp",
                 self.parallel.pp,
                 f"must be <= model.num_layers ({self.model.num_layers})",
             )
         eos, vocab = self.data.eos_id, self.model.vocab_size
         if eos is not None and vocab is not None and eos >= vocab:
-            _fail("data.eos_id", eos, f"must be < model.vocab_size ({vocab})")
+            fail("data.eos_id", eos, f"must be < model.vocab_size ({vocab})")
         if self.train.global_batch_tokens is not None:
             micro = self.train.micro_batch_size * self.train.seq_len * (self.parallel.dp or 1)
             if self.train.global_batch_tokens % micro:
-                _fail(
+                fail(
                     "train.global_batch_tokens",
                     self.train.global_batch_tokens,
                     f"must be a multiple of micro_batch_size * seq_len * dp ({micro})",
@@ -409,16 +402,16 @@ class RunConfig:
         """Data-parallel degree for a world size; a clear error when the layout does not fit."""
         pp = self.parallel.pp
         if world_size % pp:
-            _fail("parallel.pp", pp, f"must divide the world size ({world_size})")
+            fail("parallel.pp", pp, f"must divide the world size ({world_size})")
         dp = self.parallel.dp or world_size // pp
         if dp * pp != world_size:
-            _fail(
+            fail(
                 "parallel.dp",
                 dp,
                 f"times parallel.pp ({pp}) must equal the world size ({world_size})",
             )
         if dp % self.parallel.ep:
-            _fail("parallel.ep", self.parallel.ep, f"must divide the data-parallel degree ({dp})")
+            fail("parallel.ep", self.parallel.ep, f"must divide the data-parallel degree ({dp})")
         return dp
 
     def grad_accum_steps(self, dp: int) -> int:
@@ -426,7 +419,7 @@ class RunConfig:
         if self.train.global_batch_tokens is None:
             return 1
         if self.train.global_batch_tokens % micro:
-            _fail(
+            fail(
                 "train.global_batch_tokens",
                 self.train.global_batch_tokens,
                 f"must be a multiple of micro_batch_size * seq_len * dp ({micro})",
@@ -449,7 +442,7 @@ class RunConfig:
             )
         kwargs: dict[str, Any] = {}
         if "name" in data:
-            kwargs["name"] = _coerce("name", str, data["name"])
+            kwargs["name"] = coerce("name", str, data["name"])
         for section in SECTIONS:
             if section in data:
                 kwargs[section] = _build_section(section, data[section])
@@ -526,99 +519,4 @@ _SECTION_TYPES = {
 
 
 def _build_section(section: str, values: Any) -> Any:
-    cls = _SECTION_TYPES[section]
-    if isinstance(values, cls):
-        return values
-    if not isinstance(values, dict):
-        raise ValueError(f"{section} must be a mapping of fields, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(values) - names
-    if unknown:
-        listed = ", ".join(f"{section}.{k}" for k in sorted(map(str, unknown)))
-        raise ValueError(f"unknown field(s) {listed}; {section} has: {', '.join(sorted(names))}")
-    kwargs = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
-    return cls(**kwargs)
-
-
-def _coerce(path: str, hint: Any, value: Any) -> Any:
-    """Check a YAML value against a field's type hint; only int and numeric strings become float."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(path, option, value)
-            except ValueError:
-                pass
-        _fail(path, value, f"must be of type {_type_name(hint)}")
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            _fail(path, value, f"must be one of {', '.join(map(str, choices))}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            _fail(path, value, "must be true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(path, value, "must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, str):  # PyYAML reads `1e-3` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            _fail(path, value, "must be a number")
-        try:
-            value = float(value)
-        except OverflowError:  # an int beyond the float range
-            _fail(path, value, "must be a finite number")
-        if not math.isfinite(value):
-            _fail(path, value, "must be a finite number")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            _fail(path, value, "must be a string")
-        return value
-    if origin is tuple and typing.get_args(hint)[1:] == (Ellipsis,):  # a list in YAML
-        if not isinstance(value, list | tuple):
-            _fail(path, value, "must be a list")
-        item = typing.get_args(hint)[0]
-        return tuple(_coerce(f"{path}[{i}]", item, v) for i, v in enumerate(value))
-    if dataclasses.is_dataclass(hint):  # a mapping in YAML
-        if isinstance(value, hint):
-            return value
-        if not isinstance(value, dict):
-            _fail(path, value, "must be a mapping")
-        names = {f.name for f in dataclasses.fields(hint)}
-        unknown = set(value) - names
-        if unknown:
-            _fail(
-                path,
-                value,
-                f"has unknown key(s) {sorted(map(str, unknown))}; allowed: {', '.join(sorted(names))}",
-            )
-        missing = [
-            f.name
-            for f in dataclasses.fields(hint)
-            if f.name not in value and f.default is dataclasses.MISSING
-        ]
-        if missing:
-            _fail(path, value, f"lacks the key(s) {', '.join(missing)}")
-        hints = typing.get_type_hints(hint)
-        return hint(**{k: _coerce(f"{path}.{k}", hints[k], v) for k, v in value.items()})
-    raise AssertionError(f"unsupported config type {hint} for {path}")
-
-
-def _type_name(hint: Any) -> str:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    names = [getattr(a, "__name__", str(a)) for a in args]
-    return " or ".join(names) + (" or null" if len(args) < len(typing.get_args(hint)) else "")
+    return build_dataclass(section, _SECTION_TYPES[section], values)
