@@ -514,11 +514,12 @@ def test_world_size_one_is_torch_adamw_without_clipping():
 
 def test_accumulating_twice_without_no_sync_raises():
     model = nn.Linear(4, 4)
-    # The optimizer lives on in the parameters' gradient hooks.
-    ShardedAdamW(_plain_groups(model), dense_group=None, expert_group=None, lr=1e-3)
+    optimizer = ShardedAdamW(_plain_groups(model), dense_group=None, expert_group=None, lr=1e-3)
     model(torch.randn(2, 4)).sum().backward()
     with pytest.raises(RuntimeError, match="no_sync"):
         model(torch.randn(2, 4)).sum().backward()
+    del optimizer  # its hooks hold it weakly (moetrain.optim.grad_hooks): gone, they do nothing
+    model(torch.randn(2, 4)).sum().backward()
 
 
 def test_skip_leaves_everything_unchanged_and_nonfinite_norm_skips():
