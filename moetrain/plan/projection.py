@@ -260,5 +260,5 @@ def eager_peak_bytes(config: RunConfig, num_local: int) -> float:
     b = precision_bytes(config)
     T = config.train.micro_batch_size * config.train.seq_len
     saved = sum(block_activation_bytes(config, T, moe=True, ep=1))
-    per_param = b.param + b.grad + b.master + b.moments
+    per_param = 2 * b.param + b.master + b.moments  # autograd's gradients: the parameters' dtype
     return per_param * sum(rank_model_params(config, num_local)) + config.model.num_layers * saved
