@@ -41,6 +41,13 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
+def check_shard_args(seq_len: int, batch_size: int, rank: int, world_size: int) -> None:
+    """The arguments a loader of rank `rank` among `world_size` shares with its peers."""
+    _check_positive(seq_len=seq_len, batch_size=batch_size, world_size=world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank ({rank}) must be in [0, world_size ({world_size}))")
+
+
 def _split_pair(batch_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch_BS1[:, :-1].contiguous(), batch_BS1[:, 1:].contiguous()
 
@@ -59,9 +66,7 @@ class SequenceLoader:
         world_size: int = 1,
         device: str | torch.device = "cpu",
     ):
-        _check_positive(seq_len=seq_len, batch_size=batch_size, world_size=world_size)
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size ({world_size}))")
+        check_shard_args(seq_len, batch_size, rank, world_size)
         if not isinstance(seed, Integral) or seed < 0:
             raise ValueError(f"seed ({seed!r}) must be a non-negative integer")
         if tokens.ndim != 1:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from moetrain.config import DataConfig
-from moetrain.data.loader import _check_positive, _split_pair
+from moetrain.data.loader import _split_pair, check_shard_args
 
 
 def source_labels(cfg: DataConfig) -> list[str]:
@@ -46,11 +46,9 @@ class MixedLoader:
         world_size: int = 1,
         device: str | torch.device = "cpu",
     ):
-        _check_positive(seq_len=seq_len, batch_size=batch_size, world_size=world_size)
+        check_shard_args(seq_len, batch_size, rank, world_size)
         if len(sources) != len(weights) or not sources:
             raise ValueError("a mix needs one weight per source and at least one source")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size ({world_size}))")
         total = float(sum(weights))
         self.weights = [float(w) / total for w in weights]
         self.sources = sources
