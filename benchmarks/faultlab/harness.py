@@ -125,3 +125,11 @@ def train_tiny(run_dir: Path, steps: int, *overrides: str, resume: bool = True) 
     trainer = Trainer(config, run_dir, resume=resume, progress=False)
     trainer.train()
     return trainer
+
+
+def flip_a_byte(checkpoint: Path) -> None:
+    """Bit rot: invert the middle byte of the checkpoint's first shard."""
+    shard = next(checkpoint.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))

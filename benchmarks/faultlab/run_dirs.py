@@ -20,6 +20,7 @@ from moetrain.data import prepare
 from .harness import (
     Outcome,
     clean_env,
+    flip_a_byte,
     last_logged,
     lost_steps,
     newest_step,
@@ -27,13 +28,6 @@ from .harness import (
     train_cli,
     train_tiny,
 )
-
-
-def flip_a_byte(checkpoint: Path) -> None:
-    shard = next(checkpoint.glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
 
 
 def _write_documents(path: Path, word: str, num_docs: int = 400) -> Path:

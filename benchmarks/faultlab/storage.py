@@ -22,6 +22,7 @@ from moetrain.train.trainer import Trainer
 from .harness import (
     BASE,
     Outcome,
+    flip_a_byte,
     lost_steps,
     train_tiny,
 )
@@ -109,13 +110,12 @@ def bit_rot(work: Path) -> Outcome:
     for damage in ("flip", "truncate"):
         run = work / f"rot_{damage}"
         train_tiny(run, 4)
-        shard = next((run / "checkpoints" / "step-4").glob("*.distcp"))
-        data = bytearray(shard.read_bytes())
+        checkpoint = run / "checkpoints" / "step-4"
         if damage == "flip":
-            data[len(data) // 2] ^= 0xFF
+            flip_a_byte(checkpoint)
         else:
-            data = data[: len(data) // 2]
-        shard.write_bytes(bytes(data))
+            shard = next(checkpoint.glob("*.distcp"))
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         out.injected += 1
         with contextlib.redirect_stdout(io.StringIO()):  # the "skipping checkpoint" warning
             resumed = train_tiny(run, 6)

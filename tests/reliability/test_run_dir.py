@@ -40,7 +40,7 @@ def test_resume_with_no_verifiable_checkpoint_is_an_error_at_the_cli(
 ):
     run = tmp_path / "run"
     harness.train_tiny(run, 2)
-    run_dirs.flip_a_byte(run / "checkpoints" / "step-2")
+    harness.flip_a_byte(run / "checkpoints" / "step-2")
     code = cli.main(["train", "--quiet", "--resume", "--run-dir", str(run)])
     assert code == 2 and "refusing to start over at step 0" in capsys.readouterr().err
 
