@@ -22,7 +22,9 @@ collectives (`torch.distributed._functional_collectives`, the same in torch 2.11
 the all-gather's name, see moetrain.dist_compat), which dynamo and AOTAutograd put into the graph,
 backward included: a compiled block with the NoSync dispatcher is one graph. Eager runs keep the
 in-place path (no copy for the sink rows). The exact-split `all_to_all` and `all_to_all_counts`
-(the AllToAll dispatcher, whose split sizes are read on the host) stay eager.
+(the AllToAll dispatcher, whose split sizes are read on the host) stay eager. gloo with CUDA
+tensors (several ranks sharing one GPU, a test setup) keeps the eager collectives under compile
+too (`traceable`): there the compiled NoSync block crashed its rank (segfault, torch 2.11, H200).
 """
 
 from __future__ import annotations
@@ -96,13 +98,25 @@ def all_to_all(
     return _AllToAll.apply(x_RD, group, output_split_sizes, input_split_sizes, sink_rows, payload)
 
 
+def traceable(group: ProcessGroup | None, device: torch.device | str | None) -> bool:
+    """Whether collectives of `group` on `device` run as functional collectives under compile:
+    yes, but for gloo with CUDA tensors (module docstring). Decided on the host, once."""
+    if group is None or device is None or torch.device(device).type != "cuda":
+        return True
+    return dist.get_backend(group) != "gloo"
+
+
 def exchange_blocks(
-    x_RD: torch.Tensor, group: ProcessGroup | None, sink_rows: int = 0, payload: str = "bf16"
+    x_RD: torch.Tensor,
+    group: ProcessGroup | None,
+    sink_rows: int = 0,
+    payload: str = "bf16",
+    traced: bool = True,
 ) -> torch.Tensor:
     """`all_to_all` with equal splits (G blocks of R / G rows, block g for rank g), traceable:
-    under torch.compile it runs on functional collectives, in the graph; eager it is
-    `all_to_all`. Same values, gradients and sink rows either way."""
-    if not torch.compiler.is_compiling():
+    under torch.compile it runs on functional collectives, in the graph (unless `traced` is
+    False: see `traceable`); eager it is `all_to_all`. Same values, gradients and sink rows."""
+    if not (traced and torch.compiler.is_compiling()):
         return all_to_all(x_RD, group, sink_rows=sink_rows, payload=payload)
     if group is not None or check_payload(payload) == "fp8":
         x_RD = _FunctionalAllToAll.apply(x_RD, group, payload)
@@ -135,11 +149,14 @@ class _FunctionalAllToAll(torch.autograd.Function):
         return _functional_exchange(grad_RD, ctx.group), None, None
 
 
-def all_gather_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """[G, E]: row g is rank g's count vector (the rank order of the group). Traceable."""
+def all_gather_counts(
+    counts_E: torch.Tensor, group: ProcessGroup | None, traced: bool = True
+) -> torch.Tensor:
+    """[G, E]: row g is rank g's count vector (the rank order of the group). Traceable (unless
+    `traced` is False)."""
     if group is None:
         return counts_E.unsqueeze(0)
-    if torch.compiler.is_compiling():
+    if traced and torch.compiler.is_compiling():
         gathered = functional_all_gather(counts_E.detach().contiguous(), 0, group)
         return gathered.view(group_size(group), -1)
     return _all_gather_counts_eager(counts_E, group)
@@ -166,12 +183,14 @@ def all_to_all_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> tor
     return out_GE.view(size, -1)
 
 
-def all_reduce_counts(counts_E: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def all_reduce_counts(
+    counts_E: torch.Tensor, group: ProcessGroup | None, traced: bool = True
+) -> torch.Tensor:
     """Route counts summed over the group (a new tensor; the input is left as it is).
-    Traceable."""
+    Traceable (unless `traced` is False)."""
     if group is None:
         return counts_E.clone()
-    if torch.compiler.is_compiling():
+    if traced and torch.compiler.is_compiling():
         return funcol.wait_tensor(funcol.all_reduce(counts_E.detach(), "sum", group))
     return _all_reduce_counts_eager(counts_E, group)
 

@@ -43,6 +43,7 @@ from moetrain.parallel.comm import (
     all_to_all_counts,
     exchange_blocks,
     group_size,
+    traceable,
 )
 
 
@@ -203,11 +204,11 @@ class AllToAllTransport:
     torch.compile (moetrain.parallel.comm.exchange_blocks). A group of one keeps the blocks in
     place (one copy, to append the sink row)."""
 
-    def __init__(self, group: ProcessGroup | None) -> None:
-        self.group = group
+    def __init__(self, group: ProcessGroup | None, traced: bool = True) -> None:
+        self.group, self.traced = group, traced
 
     def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
-        return exchange_blocks(send_RD, self.group, sink_rows=1, payload=payload)
+        return exchange_blocks(send_RD, self.group, 1, payload, self.traced)
 
 
 def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int) -> torch.Tensor:
@@ -263,7 +264,11 @@ class NoSyncDispatcher:
         self.num_local = num_experts // self.num_ranks
         self.capacity_factor = capacity_factor
         self.payload = check_payload(payload)
-        self.transport = transport if transport is not None else AllToAllTransport(group)
+        # gloo with CUDA tensors: eager collectives even under compile (comm.traceable)
+        self.traced = traceable(group, device)
+        self.transport = (
+            transport if transport is not None else AllToAllTransport(group, self.traced)
+        )
         # since the last read, on the device: dropped routes, receive rows used, routes, receive
         # rows allocated. Device counters, not host ints: a compiled forward would guard on (and
         # recompile for) every new host value, and a CUDA-graph replay would not advance them.
@@ -290,7 +295,7 @@ class NoSyncDispatcher:
         # 1. Count this rank's routes per global expert.
         counts_E = count_tokens_per_expert(ids_N, self.num_experts)
         # 2. Share: every rank gets the same [G, E] matrix.
-        counts_sdx = all_gather_counts(counts_E, self.group).view(G, G, e)
+        counts_sdx = all_gather_counts(counts_E, self.group, self.traced).view(G, G, e)
         # 3. Decide: kept counts, block layout, then each of my routes' destination row.
         kept_sdx = keep_counts(counts_sdx, expert_capacity, B)
         block_start_sdx = kept_sdx.cumsum(2) - kept_sdx

@@ -35,7 +35,7 @@ from moetrain.config import RunConfig
 from moetrain.model.transformer import Transformer
 from moetrain.moe.layer import MoELayer
 from moetrain.moe.recompute import ForwardTape, recomputing, recording
-from moetrain.parallel.comm import all_reduce_counts
+from moetrain.parallel.comm import all_reduce_counts, traceable
 from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep
 from moetrain.parallel.mesh import ParallelDims
@@ -68,7 +68,8 @@ def apply_global_load_balance(model: Transformer, config: RunConfig, dims: Paral
     its fractions f_e are those of the global micro-batch instead of this rank's share."""
     if config.moe.lb_scope != "global_batch" or dims.dp_group is None:
         return
-    reducer = functools.partial(all_reduce_counts, group=dims.dp_group)
+    traced = traceable(dims.dp_group, dims.device)
+    reducer = functools.partial(all_reduce_counts, group=dims.dp_group, traced=traced)
     for layer in model.modules():
         if isinstance(layer, MoELayer):
             layer.count_reducer = reducer

@@ -100,7 +100,10 @@ def _compiled_matches_eager(rank, world_size, backend: str, payload: str, device
         expected = _run(block, block, seed)
         for a, e in zip(actual, expected, strict=True):
             assert a.shape == e.shape and _rel(a, e) <= rel, _rel(a, e)
-    assert counter.graphs == 1, f"{counter.graphs} graphs: a graph break in the NoSync block"
+    if block.ffn.dispatcher.traced:
+        assert counter.graphs == 1, f"{counter.graphs} graphs: a graph break in the NoSync block"
+    else:  # gloo with CUDA tensors: eager collectives by design (comm.traceable)
+        assert device == "cuda" and counter.graphs > 1, counter.graphs
     # The auxiliary losses' share of the router gradient survives compile: with them off the
     # router gradient differs, by far more than compiled and eager differ.
     with_aux = _run(block, compiled, seed=3)[2 + _index(block, router)]
@@ -133,9 +136,10 @@ def test_compiled_no_sync_block_is_one_graph_and_matches_eager(backend, payload)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("payload", ["bf16", "fp8"])
 def test_compiled_no_sync_block_on_one_gpu(payload):
-    """The same on CUDA, 2 ranks on one GPU (gloo moves the CUDA tensors of the functional
-    collectives as it does the eager ones), inductor with Triton: within 2% in norm, the bound
-    of tests/gpu/test_gpu_multirank.py for bf16 gradients."""
+    """The same on CUDA, 2 ranks on one GPU over gloo, inductor with Triton: within 2% in norm,
+    the bound of tests/gpu/test_gpu_multirank.py for bf16 gradients. gloo with CUDA tensors keeps
+    the eager collectives under compile (comm.traceable: the functional ones crashed a rank
+    there), so the block is several graphs here; one graph over NCCL needs two GPUs."""
     assert (
         run_distributed(_compiled_matches_eager, 2, "inductor", payload, "cuda", 2e-2) == [True] * 2
     )
