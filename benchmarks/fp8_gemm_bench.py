@@ -3,8 +3,8 @@
     python benchmarks/fp8_gemm_bench.py [--rows 131072] [--experts 64] [--iters 20]
 
 GEMM rows: the bare kernels (`torch._grouped_mm`, `torch._scaled_grouped_mm` on pre-quantized
-operands), then the whole FP8RowwiseGroupedGemm (quantization included; weights come from its
-cache, as within a training step) against the BF16 backend, forward and forward+backward.
+operands), then the whole FP8RowwiseGroupedGemm (quantization of activations and weights
+included, as within a training step) against the BF16 backend, forward and forward+backward.
 Backward TFLOP/s count the input and weight gradients (4 N D F). Quantizer rows: bytes moved
 (read + written) per second, next to a plain device copy of the same activation.
 Median of `--iters` runs timed with CUDA events, after warm-up. Needs a CUDA GPU of compute

@@ -336,6 +336,9 @@ class PrecisionConfig:
     param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     master_weights: bool = True  # keep fp32 master weights and moments when params are bf16
     experts: Literal["bf16", "fp8_rowwise", "mxfp8"] = "bf16"
+    # the attention projections (q, k, v, o) and dense SwiGLUs (dense layers, shared experts);
+    # the router and the LM head stay bf16
+    linear: Literal["bf16", "fp8_rowwise"] = "bf16"
     dispatch: Literal["bf16", "fp8"] = "bf16"
     # dtype in which bf16 parameters' gradients accumulate over micro-batches and are reduced
     # over ranks (fp32: Megatron's main_grad, FSDP2's reduce dtype); fp32 parameters: fp32
@@ -346,6 +349,7 @@ class PrecisionConfig:
         _choice(s, self, "param_dtype", ("auto", "fp32", "bf16"))
         _choice(s, self, "grad_dtype", ("fp32", "bf16"))
         _choice(s, self, "experts", ("bf16", "fp8_rowwise", "mxfp8"))
+        _choice(s, self, "linear", ("bf16", "fp8_rowwise"))
         _choice(s, self, "dispatch", ("bf16", "fp8"))
 
 

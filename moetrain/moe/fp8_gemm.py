@@ -31,7 +31,6 @@ every device: it measures the recipe's accuracy, never its speed.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -39,6 +38,7 @@ import torch
 
 from moetrain.kernels import quant
 from moetrain.moe.experts import _GROUPED_MM_DTYPES, grouped_mm
+from moetrain.nn.fp8 import fp8_unsupported_reason, quantize_rows
 
 
 class GroupedGemm(Protocol):
@@ -84,52 +84,6 @@ def _check_inputs(name: str, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: to
         )
 
 
-class _WeightCache:
-    """Quantized weights, reused until the weight changes.
-
-    An entry is valid while its tensor object is alive and `w._version` is unchanged. In-place
-    torch ops bump it; writes torch cannot see (a Triton kernel's raw pointers, collectives into a
-    bucket that `.data` views) do not, so moetrain's optimizers call
-    `torch.autograd.graph.increment_version` on every parameter they update that way. Anyone else
-    writing weights like that must do the same, or call `clear()`. Costs one byte per weight
-    element per cached layout.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, str], tuple[weakref.ref, int, tuple[torch.Tensor, ...]]] = {}
-        self.num_quantizations = 0
-
-    def get(
-        self, w: torch.Tensor, layout: str, make: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
-    ):
-        key = (id(w), layout)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is w and entry[1] == w._version:
-            return entry[2]
-        value = make(w.detach())
-        entries = self._entries
-        self._entries[key] = (
-            weakref.ref(w, lambda _, k=key: entries.pop(k, None)),
-            w._version,
-            value,
-        )
-        self.num_quantizations += 1
-        return value
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
-def rowwise_quantizer(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """Triton kernels on a CUDA GPU when Triton is installed, else the torch reference (same bits)."""
-    if device.type == "cuda":
-        from moetrain.kernels import quant_triton
-
-        if quant_triton.triton_available():
-            return quant_triton.quantize_fp8_rowwise_triton
-    return quant.quantize_fp8_rowwise
-
-
 def _mx_quantizer(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     if device.type == "cuda":
         from moetrain.kernels import quant_triton
@@ -152,19 +106,7 @@ class BF16GroupedGemm:
         return grouped_mm(x_ND, w_eDF, offs_e)
 
 
-def fp8_rowwise_unsupported_reason(device: torch.device) -> str | None:
-    """Why `torch._scaled_grouped_mm` cannot run on `device`, or None if it can."""
-    if device.type != "cuda":
-        return f"device {device} is not a CUDA GPU"
-    if torch.version.hip is not None:
-        return "ROCm is not supported by this backend (it would need float8_e4m3fnuz)"
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in (9, 10):
-        name = torch.cuda.get_device_name(device)
-        return f"torch._scaled_grouped_mm needs compute capability 9.x or 10.x, {name} has {major}.{minor}"
-    return None
+fp8_rowwise_unsupported_reason = fp8_unsupported_reason
 
 
 class FP8RowwiseGroupedGemm:
@@ -176,10 +118,12 @@ class FP8RowwiseGroupedGemm:
     Weight grad  gw_i = x_i^T gy_i in BF16 with `torch._grouped_mm`: the FP8 2-D x 2-D kernel
                  asserts non-empty groups whose sizes are multiples of 16, which routing does not
                  give (see the module docstring). x is therefore saved in its input precision.
-    Quantized weights are cached per layout (`cache_weights`) and re-quantized only when the
-    weight changes. Without a capable GPU (`emulate=True`, or built for the CPU) the same math
-    runs as quantize -> dequantize -> fp32 grouped GEMM: equal to the hardware path up to the
-    order of fp32 accumulation, and `emulated` is True.
+    Weights are quantized at every call, like the activations (`moetrain.nn.fp8.quantize_rows`:
+    plain torch ops that Inductor fuses when compiled, Triton eager on the GPU): no cache, no
+    host-side state, so the compiled block has no graph break and the step can be CUDA-graphed.
+    Without a capable GPU (`emulate=True`, or built for the CPU) the same math runs as quantize ->
+    dequantize -> fp32 grouped GEMM: equal to the hardware path up to the order of fp32
+    accumulation, and `emulated` is True.
     """
 
     def __init__(
@@ -188,10 +132,9 @@ class FP8RowwiseGroupedGemm:
         *,
         emulate: bool | None = None,
         use_fast_accum: bool = False,
-        cache_weights: bool = True,
     ) -> None:
         device = torch.device(device)
-        reason = fp8_rowwise_unsupported_reason(device)
+        reason = fp8_unsupported_reason(device)
         if emulate is None:
             emulate = reason is not None
         if not emulate and reason is not None:
@@ -199,9 +142,6 @@ class FP8RowwiseGroupedGemm:
         self.emulated = emulate
         self.name = "fp8_rowwise (emulation)" if emulate else "fp8_rowwise"
         self.use_fast_accum = use_fast_accum
-        self.cache_weights = cache_weights
-        self.weight_cache = _WeightCache()
-        self.quantize = rowwise_quantizer(device)
 
     def __call__(
         self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
@@ -217,81 +157,91 @@ class FP8RowwiseGroupedGemm:
                 raise ValueError(
                     f"{self.name}: at most 1023 experts per GEMM, got {w_eDF.shape[0]}"
                 )
-        return _FP8RowwiseFn.apply(x_ND, w_eDF, offs_e, self)
+        return _FP8RowwiseFn.apply(x_ND, w_eDF, offs_e, self.emulated, self.use_fast_accum)
 
-    def quantized_weight(
-        self, w_eDF: torch.Tensor, reduction: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_eNK contiguous, scale_eN) with K the reduction dim: "D" for the forward, "F" for the
-        input gradient. `q.mT` is the column-major operand `torch._scaled_grouped_mm` wants."""
-        if reduction == "D":
 
-            def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return self.quantize(w.mT, dim=-1)  # (e, F, D), one scale per output column
-        else:
+def quantized_weight(w_eDF: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_eNK contiguous, scale_eN) with K the reduction dim: "D" for the forward, "F" for the
+    input gradient. `q.mT` is the column-major operand `torch._scaled_grouped_mm` wants."""
+    if reduction == "D":
+        return quantize_rows(w_eDF.mT, dim=-1)  # (e, F, D), one scale per output column
+    return quantize_rows(w_eDF, dim=-1)  # (e, D, F), one scale per row of w
 
-            def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return self.quantize(w, dim=-1)  # (e, D, F), one scale per row of w
 
-        if not self.cache_weights:
-            return make(w_eDF.detach())
-        return self.weight_cache.get(w_eDF, reduction, make)
+def scaled_grouped_mm(
+    a_q_MK: torch.Tensor,
+    a_scale_M: torch.Tensor,
+    b_q_eNK: torch.Tensor,
+    b_scale_eN: torch.Tensor,
+    offs_e: torch.Tensor,
+    out_dtype: torch.dtype,
+    emulate: bool,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """out[rows of group i] = (a_q * a_scale) @ (b_q[i] * b_scale[i]).T, via FP8 tensor cores
+    or, emulated, in fp32."""
+    if emulate:
+        a_MK = quant.dequantize_fp8_rowwise(a_q_MK, a_scale_M, dim=-1)
+        b_eNK = quant.dequantize_fp8_rowwise(b_q_eNK, b_scale_eN, dim=-1)
+        return grouped_mm(a_MK, b_eNK.mT, offs_e).to(out_dtype)
+    out_MN = _scaled_grouped_mm_op(a_q_MK, b_q_eNK, a_scale_M, b_scale_eN, offs_e, use_fast_accum)
+    return out_MN.to(out_dtype)
 
-    def scaled_grouped_mm(
-        self,
-        a_q_MK: torch.Tensor,
-        a_scale_M: torch.Tensor,
-        b_q_eNK: torch.Tensor,
-        b_scale_eN: torch.Tensor,
-        offs_e: torch.Tensor,
-        out_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """out[rows of group i] = (a_q * a_scale) @ (b_q[i] * b_scale[i]).T, via FP8 tensor cores
-        or, emulated, in fp32."""
-        if self.emulated:
-            a_MK = quant.dequantize_fp8_rowwise(a_q_MK, a_scale_M, dim=-1)
-            b_eNK = quant.dequantize_fp8_rowwise(b_q_eNK, b_scale_eN, dim=-1)
-            return grouped_mm(a_MK, b_eNK.mT, offs_e).to(out_dtype)
-        out_MN = torch._scaled_grouped_mm(
-            a_q_MK,
-            b_q_eNK.mT,
-            a_scale_M,
-            b_scale_eN,
-            offs=offs_e,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=self.use_fast_accum,
-        )
-        return out_MN.to(out_dtype)
+
+@torch.library.custom_op("moetrain::scaled_grouped_mm", mutates_args=())
+def _scaled_grouped_mm_op(
+    a_q_MK: torch.Tensor,
+    b_q_eNK: torch.Tensor,
+    a_scale_M: torch.Tensor,
+    b_scale_eN: torch.Tensor,
+    offs_e: torch.Tensor,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """`torch._scaled_grouped_mm` as an opaque op: compiled graphs call torch's kernel on the
+    operands as given, not Inductor's lowering of it; the quantizations around it still fuse."""
+    return torch._scaled_grouped_mm(
+        a_q_MK,
+        b_q_eNK.mT,
+        a_scale_M,
+        b_scale_eN,
+        offs=offs_e,
+        out_dtype=torch.bfloat16,
+        use_fast_accum=use_fast_accum,
+    )
+
+
+@_scaled_grouped_mm_op.register_fake
+def _(a_q_MK, b_q_eNK, a_scale_M, b_scale_eN, offs_e, use_fast_accum):
+    return a_q_MK.new_empty((a_q_MK.shape[0], b_q_eNK.shape[1]), dtype=torch.bfloat16)
 
 
 class _FP8RowwiseFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w_eDF, offs_e, gemm: FP8RowwiseGroupedGemm):
+    def forward(ctx, x_ND, w_eDF, offs_e, emulate: bool, use_fast_accum: bool):
         x_ND = x_ND.contiguous()  # the weight gradient reads x.T as a column-major operand
-        x_q_ND, x_scale_N = gemm.quantize(x_ND, dim=-1)
-        w_q_eFD, w_scale_eF = gemm.quantized_weight(w_eDF, "D")
-        y_NF = gemm.scaled_grouped_mm(x_q_ND, x_scale_N, w_q_eFD, w_scale_eF, offs_e, x_ND.dtype)
-        ctx.save_for_backward(x_ND, offs_e)
-        ctx.gemm, ctx.w_eDF = gemm, w_eDF  # the weight itself: the cache checks its version
+        y_NF = scaled_grouped_mm(
+            *quantize_rows(x_ND, dim=-1), *quantized_weight(w_eDF, "D"), offs_e, x_ND.dtype,
+            emulate, use_fast_accum,
+        )  # fmt: skip
+        ctx.save_for_backward(x_ND, w_eDF, offs_e)
+        ctx.emulate, ctx.use_fast_accum = emulate, use_fast_accum
         return y_NF
 
     @staticmethod
     def backward(ctx, grad_y_NF):
-        x_ND, offs_e = ctx.saved_tensors
-        gemm, w_eDF = ctx.gemm, ctx.w_eDF
+        x_ND, w_eDF, offs_e = ctx.saved_tensors
         grad_y_NF = grad_y_NF.contiguous()
         grad_x_ND = grad_w_eDF = None
         if ctx.needs_input_grad[0]:
-            g_q_NF, g_scale_N = gemm.quantize(grad_y_NF, dim=-1)
-            w_q_eDF, w_scale_eD = gemm.quantized_weight(w_eDF, "F")
-            grad_x_ND = gemm.scaled_grouped_mm(
-                g_q_NF, g_scale_N, w_q_eDF, w_scale_eD, offs_e, x_ND.dtype
-            )
+            grad_x_ND = scaled_grouped_mm(
+                *quantize_rows(grad_y_NF, dim=-1), *quantized_weight(w_eDF, "F"), offs_e,
+                x_ND.dtype, ctx.emulate, ctx.use_fast_accum,
+            )  # fmt: skip
         if ctx.needs_input_grad[1]:
             grad_w_eDF = _grouped_weight_grad(x_ND, grad_y_NF.to(x_ND.dtype), offs_e).to(
                 w_eDF.dtype
             )
-        return grad_x_ND, grad_w_eDF, None, None
+        return grad_x_ND, grad_w_eDF, None, None, None
 
 
 class MXFP8EmulatedGroupedGemm:
@@ -308,10 +258,8 @@ class MXFP8EmulatedGroupedGemm:
     name = "mxfp8 (emulation)"
     emulated = True
 
-    def __init__(self, device: torch.device | str = "cpu", *, cache_weights: bool = True) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.quantize = _mx_quantizer(torch.device(device))
-        self.cache_weights = cache_weights
-        self.weight_cache = _WeightCache()
 
     def __call__(
         self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
@@ -336,20 +284,8 @@ class MXFP8EmulatedGroupedGemm:
 
     def weight(self, w_eDF: torch.Tensor, reduction: str) -> torch.Tensor:
         """w round-tripped along its reduction dim ("D" forward, "F" input grad), as (e, D, F)."""
-        if reduction == "D":
-
-            def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return self.quantize(w.mT)
-        else:
-
-            def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return self.quantize(w)
-
-        q, scale = (
-            self.weight_cache.get(w_eDF, reduction, make)
-            if self.cache_weights
-            else make(w_eDF.detach())
-        )
+        w = w_eDF.detach()
+        q, scale = self.quantize(w.mT) if reduction == "D" else self.quantize(w)
         w_dq = quant.dequantize_mxfp8(q, scale, dtype=w_eDF.dtype)
         return w_dq.mT if reduction == "D" else w_dq
 
@@ -358,14 +294,14 @@ class _MXFP8Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_eDF, offs_e, gemm: MXFP8EmulatedGroupedGemm):
         x_ND = x_ND.contiguous()
-        ctx.save_for_backward(x_ND, offs_e)
-        ctx.gemm, ctx.w_eDF = gemm, w_eDF
+        ctx.save_for_backward(x_ND, w_eDF, offs_e)
+        ctx.gemm = gemm
         return grouped_mm(gemm.fake_quantize(x_ND), gemm.weight(w_eDF, "D").to(x_ND.dtype), offs_e)
 
     @staticmethod
     def backward(ctx, grad_y_NF):
-        x_ND, offs_e = ctx.saved_tensors
-        gemm, w_eDF = ctx.gemm, ctx.w_eDF
+        x_ND, w_eDF, offs_e = ctx.saved_tensors
+        gemm = ctx.gemm
         grad_y_NF = grad_y_NF.to(x_ND.dtype).contiguous()
         grad_x_ND = grad_w_eDF = None
         if ctx.needs_input_grad[0]:

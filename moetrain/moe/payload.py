@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from moetrain.kernels import quant
-from moetrain.moe.fp8_gemm import rowwise_quantizer
+from moetrain.nn.fp8 import quantize_rows
 
 PAYLOADS = ("bf16", "fp8")
 SCALE_BYTES = 4  # one float32 per row
@@ -27,17 +27,9 @@ def check_payload(payload: str) -> str:
     return payload
 
 
-def _quantize_rows(x_RD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Inside a compiled region the torch twin (bit-identical), which inductor fuses with its
-    # neighbours; eager (the all-to-all runs outside compile) the Triton kernel where available.
-    compiling = torch.compiler.is_compiling()
-    quantize = quant.quantize_fp8_rowwise if compiling else rowwise_quantizer(x_RD.device)
-    return quantize(x_RD, dim=-1)
-
-
 def encode_fp8_rows(x_RD: torch.Tensor) -> torch.Tensor:
     """[R, D] floats -> [R, D + 4] uint8: e4m3 elements, then the row's fp32 scale bytes."""
-    q_RD, scale_R = _quantize_rows(x_RD)
+    q_RD, scale_R = quantize_rows(x_RD)  # fused by Inductor when compiled
     scale_bytes = scale_R.float().contiguous().view(torch.uint8).view(-1, SCALE_BYTES)
     return torch.cat([q_RD.view(torch.uint8), scale_bytes], dim=1)
 
@@ -53,7 +45,7 @@ def decode_fp8_rows(packed_RB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 def fp8_round_trip_reference(x_RD: torch.Tensor) -> torch.Tensor:
     """What the experts receive for rows `x_RD` under the FP8 payload (no gradient): the
     decoded packed rows, without packing them (nothing travels)."""
-    q_RD, scale_R = _quantize_rows(x_RD)
+    q_RD, scale_R = quantize_rows(x_RD)  # fused by Inductor when compiled
     return quant.dequantize_fp8_rowwise(q_RD, scale_R, dim=-1, dtype=x_RD.dtype)
 
 

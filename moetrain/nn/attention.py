@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moetrain.kernels import qk_norm_rope_triton
 from moetrain.nn.documents import DocumentMask
+from moetrain.nn.fp8 import fp8_linear
 from moetrain.nn.norm import RMSNorm, rms_norm_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope
 
@@ -116,13 +117,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(num_heads * head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps) if qk_norm else None
         self.rope = RotaryEmbedding(head_dim, rope_theta, max_positions)
+        self.fp8: str | None = None  # "fp8" or "fp8-emulated": projections in FP8 (nn.fp8)
+
+    def project(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        """x @ cat(weights).T in the projections' precision (bf16, or FP8 row-scaled)."""
+        if self.fp8 is None:
+            return concat_linear(x, weights)
+        return fp8_linear(x, weights, emulate=self.fp8 == "fp8-emulated")
 
     def forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
         """Causal attention over the whole row, or within each of its `documents`."""
         B, S, _ = x_BSD.shape
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         positions_BS = documents.positions_BS if documents is not None else None
-        q_BNSH, k_BGSH, v_BGSH = self._heads(concat_linear(x_BSD, weights), positions_BS)
+        q_BNSH, k_BGSH, v_BGSH = self._heads(self.project(x_BSD, weights), positions_BS)
         with self._kernel_choice(x_BSD.device):
             if documents is not None:
                 out_BNSH = documents.attend(q_BNSH, k_BGSH, v_BGSH)
@@ -134,7 +142,10 @@ class Attention(nn.Module):
                     is_causal=True,
                     enable_gqa=self.num_kv_heads != self.num_heads,
                 )
-        return self.o_proj(out_BNSH.transpose(1, 2).reshape(B, S, -1))
+        out_BSC = out_BNSH.transpose(1, 2).reshape(B, S, -1)
+        if self.fp8 is None:
+            return self.o_proj(out_BSC)
+        return self.project(out_BSC, [self.o_proj.weight])
 
     def _heads(
         self, qkv_BSC: torch.Tensor, positions_BS: torch.Tensor | None = None

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.nn.fp8 import fp8_linear
+
 
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int) -> None:
@@ -13,7 +15,12 @@ class SwiGLU(nn.Module):
         self.hidden = hidden
         self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
         self.w_down = nn.Linear(hidden, d_model, bias=False)
+        self.fp8: str | None = None  # "fp8" or "fp8-emulated": both products in FP8 (nn.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        if self.fp8 is None:
+            gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+            return self.w_down(F.silu(gate) * up)
+        emulate = self.fp8 == "fp8-emulated"
+        gate, up = fp8_linear(x, [self.w_gate_up.weight], emulate=emulate).chunk(2, dim=-1)
+        return fp8_linear(F.silu(gate) * up, [self.w_down.weight], emulate=emulate)

@@ -109,12 +109,22 @@ def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -
     attention = lp.attention_flops_per_token_layer
     other = num_moe * (lp.flops_per_token_layer - experts - attention + redo_router)
     other += num_dense * 6 * lp.dense_layer.active
+    # precision.linear=fp8_rowwise: the projections and the dense SwiGLUs (all but the router)
+    linear = 0
+    if config.precision.linear == "fp8_rowwise":
+        dense_mlp = 6 * (lp.dense_layer.active - lp.dense_layer.attention)
+        shared = 6 * 3 * m.d_model * moe.expert_hidden * moe.num_shared_experts
+        linear = (num_moe + num_dense) * 6 * lp.moe_layer.attention
+        linear += num_dense * dense_mlp + num_moe * shared
+        other -= linear
+    linear_rate = gpu.fp8_tflops * 1e12 * cluster.matmul_efficiency
     head = 6 * lp.outside.active if stage == layout.pp - 1 else 0
     tokens = microbatch_tokens(config, layout)
     return tokens * (
         num_moe * experts * (1 + redo_experts) / expert_rate
         + (num_moe + num_dense) * attention * (1 + redo_all) / attention_rate
         + (other * (1 + redo_all) + head) / dense_rate
+        + linear * (1 + redo_all) / linear_rate
     )
 
 

@@ -14,6 +14,9 @@ from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
 from moetrain.model.transformer import Transformer
 from moetrain.moe.fp8_gemm import make_grouped_gemm
+from moetrain.nn.attention import Attention
+from moetrain.nn.fp8 import check_fp8_widths, fp8_unsupported_reason
+from moetrain.nn.mlp import SwiGLU
 from moetrain.optim.adamw import AdamW
 from moetrain.optim.clip import global_grad_norm, params_with_kinds
 from moetrain.optim.param_groups import build_param_groups
@@ -105,14 +108,17 @@ def resolve_adamw_kernel(choice: str, device: torch.device) -> str:
 
 
 def apply_precision(model: Transformer, config: RunConfig, device: torch.device) -> None:
-    """Install the expert GEMM of `precision.experts`; an unsupported choice fails here, at
-    start-up, never as a silent fallback. (`precision.dispatch` is the dispatchers' payload,
-    installed with them by moetrain.parallel.expert.)"""
+    """Install the expert GEMM of `precision.experts` and the projections' precision of
+    `precision.linear`; an unsupported choice fails here, at start-up, never as a silent
+    fallback. (`precision.dispatch` is the dispatchers' payload, installed with them by
+    moetrain.parallel.expert.)"""
     if config.precision.dispatch == "fp8" and config.parallel.ep == 1:
         print(
             "note: precision.dispatch=fp8 without expert parallelism: no rows leave the device;"
             " the dispatched rows get the FP8 rounding only (same numerics as with ep > 1)"
         )
+    if config.precision.linear == "fp8_rowwise":
+        install_fp8_linears(model, config, device)
     if config.precision.experts == "bf16":
         return
     gemm = make_grouped_gemm(config.precision.experts, device)
@@ -123,6 +129,32 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
             f"note: precision.experts={config.precision.experts} runs as {gemm.name}: "
             "for studying numerics, not for speed"
         )
+
+
+def install_fp8_linears(model: Transformer, config: RunConfig, device: torch.device) -> None:
+    """precision.linear=fp8_rowwise: attention projections and dense SwiGLUs in FP8. On the CPU
+    an emulation (numerics only); a GPU without FP8 tensor cores is a start-up error."""
+    reason = fp8_unsupported_reason(device)
+    if device.type == "cuda" and reason is not None:
+        raise ValueError(f"precision.linear=fp8_rowwise is unavailable: {reason}; use 'bf16'")
+    mode = "fp8" if reason is None else "fp8-emulated"
+    m = config.model
+    for module in model.modules():
+        if isinstance(module, Attention):
+            widths = {
+                "model.d_model": m.d_model,
+                "num_heads * head_dim": module.num_heads * module.head_dim,
+                "num_kv_heads * head_dim": module.num_kv_heads * module.head_dim,
+            }
+            check_fp8_widths("precision.linear=fp8_rowwise", **widths)
+            module.fp8 = mode
+        elif isinstance(module, SwiGLU):
+            check_fp8_widths(
+                "precision.linear=fp8_rowwise", d_model=m.d_model, hidden=module.hidden
+            )
+            module.fp8 = mode
+    if mode == "fp8-emulated":
+        print("note: precision.linear=fp8_rowwise runs as an emulation: numerics, not speed")
 
 
 def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:

@@ -78,8 +78,6 @@ class StepGraph:
                 return reason
         if config.moe.routing != "learned":
             return "random routing reseeds its generator on the host at every draw"
-        if config.precision.experts != "bf16":
-            return "the FP8 expert GEMMs keep a host-side cache of quantized weights"
         if config.train.optimizer != "adamw" or adamw_kernel != "triton":
             return "it needs train.optimizer=adamw with the Triton kernel (a device learning rate)"
         return None

@@ -8,10 +8,12 @@ from moetrain.presets import small
 
 pytestmark = pytest.mark.gpu
 
+FP8 = ["precision.dispatch=fp8", "precision.experts=fp8_rowwise", "precision.linear=fp8_rowwise"]
+
 
 @pytest.mark.parametrize(
     "precision",
-    [[], ["precision.dispatch=fp8", "precision.experts=fp8_rowwise"]],
+    [[], FP8],
     ids=["bf16", "fp8"],
 )
 def test_training_steps_of_small_have_no_host_sync(tmp_path, precision):
@@ -40,7 +42,8 @@ def test_training_steps_of_small_have_no_host_sync(tmp_path, precision):
     assert torch.isfinite(loss).item()
 
 
-def test_cuda_graph_replays_the_eager_step_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("precision", [[], FP8], ids=["bf16", "fp8"])
+def test_cuda_graph_replays_the_eager_step_bit_for_bit(tmp_path, precision):
     """Two trainers from the same seed, one graphed (2 eager warm-up steps, capture, replays),
     one running the same device step eagerly with the same device learning rate: losses and
     weights agree bit for bit through warm-up, capture and replays, with gradient accumulation
@@ -59,6 +62,7 @@ def test_cuda_graph_replays_the_eager_step_bit_for_bit(tmp_path):
             "train.warmup_steps=10",
             "data.random_tokens=true",
             "train.eval_every=0",
+            *precision,
         ]
     )
     graphed = Trainer(config, tmp_path / "g", device="cuda", progress=False)
@@ -136,11 +140,12 @@ def test_grouped_mm_bf16_on_gpu_matches_loop():
     assert rel < 1e-2, rel
 
 
-def test_fp8_expert_training_tracks_bf16(tmp_path):
-    """FP8 row-wise expert GEMMs (tensor cores) and the FP8 dispatch payload against the bf16
-    run from the same seed on the same batches: the loss at every step within 2% (the FP8 GEMMs
-    round operands to e4m3; a stale quantized weight or a wrong scale shows as a drift far past
-    that). The cache's quantizations against fresh ones: tests/optim/test_weight_versions.py."""
+@pytest.mark.parametrize("optimizer", ["adamw", "sharded"])
+def test_fp8_training_tracks_bf16(tmp_path, optimizer):
+    """FP8 row-wise expert GEMMs and projections (tensor cores, compiled) and the FP8 dispatch
+    payload against the bf16 run from the same seed on the same batches, with the Triton AdamW or
+    ZeRO-1 (torch's fused AdamW writing through bucket views): the loss at every step within 2%.
+    A stale quantized weight or a wrong scale shows as a drift far past that."""
     from moetrain.train.trainer import Trainer
 
     def losses(precision: list[str], run_dir) -> list[float]:
@@ -152,6 +157,7 @@ def test_fp8_expert_training_tracks_bf16(tmp_path):
                 "train.eval_every=0",
                 "train.cuda_graph=false",
                 "train.lr=1e-3",
+                f"train.optimizer={optimizer}",
                 *precision,
             ]
         )
@@ -160,7 +166,7 @@ def test_fp8_expert_training_tracks_bf16(tmp_path):
         return [trainer.train_step(it).item() for _ in range(6)]
 
     bf16 = losses([], tmp_path / "bf16")
-    fp8 = losses(["precision.dispatch=fp8", "precision.experts=fp8_rowwise"], tmp_path / "fp8")
+    fp8 = losses(FP8, tmp_path / "fp8")
     assert bf16[-1] < bf16[0]
     for step, (a, b) in enumerate(zip(fp8, bf16, strict=True)):
         assert abs(a - b) <= 0.02 * b, (step, a, b)

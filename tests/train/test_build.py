@@ -23,3 +23,23 @@ def test_fp32_parameters_with_compiled_blocks_are_a_start_up_error():
     ):
         with pytest.raises(ValueError, match="parallel.compile=false"):
             resolve_param_dtype(tiny().with_overrides(overrides), device)
+
+
+def test_fp8_linears_are_installed_and_checked_at_start_up():
+    """precision.linear=fp8_rowwise puts every attention and dense SwiGLU on the FP8 linear (the
+    emulation on the CPU); a width the FP8 kernels cannot take is an error naming it."""
+    from moetrain.model.transformer import Transformer
+    from moetrain.nn.attention import Attention
+    from moetrain.nn.mlp import SwiGLU
+    from moetrain.train.build import apply_precision
+
+    config = tiny().with_overrides(
+        ["precision.linear=fp8_rowwise", "model.num_dense_layers=1", "model.dense_hidden=96"]
+    )
+    model = Transformer(config)
+    apply_precision(model, config, torch.device("cpu"))
+    kinds = [type(m) for m in model.modules() if getattr(m, "fp8", None) == "fp8-emulated"]
+    assert kinds.count(Attention) == 2 and kinds.count(SwiGLU) == 1
+    bad = tiny().with_overrides(["precision.linear=fp8_rowwise", "model.d_model=72"])
+    with pytest.raises(ValueError, match="model.d_model=72"):
+        apply_precision(Transformer(bad), bad, torch.device("cpu"))

@@ -1,0 +1,123 @@
+"""FP8 row-scaled linear layers: e4m3 operands, one fp32 scale per row along each product's
+reduction dim, fp32 accumulation, bf16 output, on `torch._scaled_mm` (Hopper / Blackwell).
+
+For y = x w^T with x (M, K) tokens and w (N, K):
+    forward       y  = x  @ w^T    x scaled per token along K,   w per output row along K
+    input grad    gx = gy @ w      gy scaled per token along N,  w per input column along N
+    weight grad   gw = gy^T @ x    gy and x scaled per channel along M (the tokens)
+The weight gradient stays in bf16 when M is not a multiple of 16 (the kernel's alignment).
+
+Nothing is cached: operands, weights included, are quantized at every call with plain torch ops
+(`moetrain.kernels.quant`), which torch.compile traces and Inductor fuses into one pass per operand
+(the transposes included) or into the kernel that produced the operand. There is no host-side
+state and no host sync, so a compiled FP8 step has no graph break and can be CUDA-graphed. Eager on
+a CUDA GPU, the Triton twins of those ops run (same bits). Emulated (`emulate=True`: the CPU, or a
+GPU without FP8 tensor cores in tests) the same quantized operands are dequantized and multiplied
+in fp32: equal to the hardware path up to the order of accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.kernels import quant
+
+
+def fp8_unsupported_reason(device: torch.device) -> str | None:
+    """Why FP8 tensor-core GEMMs (`torch._scaled_mm`, `torch._scaled_grouped_mm`) cannot run on
+    `device`, or None if they can: CUDA compute capability 9.x (Hopper) or 10.x (Blackwell)."""
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA GPU"
+    if torch.version.hip is not None:
+        return "ROCm is not supported (it would need float8_e4m3fnuz)"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"FP8 tensor-core GEMMs need compute capability 9.x or 10.x; {name} has {major}.{minor}"
+        )
+    return None
+
+
+def quantize_rows(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quant.quantize_fp8_rowwise`: plain torch ops when compiling or off the GPU, the Triton
+    kernel (same bits) eager on a CUDA GPU. Returns (q e4m3fn contiguous, scale fp32)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        from moetrain.kernels import quant_triton
+
+        if quant_triton.triton_available():
+            return quant_triton.quantize_fp8_rowwise_triton(x, dim=dim)
+    return quant.quantize_fp8_rowwise(x, dim=dim)
+
+
+def scaled_mm(
+    a_q_MK: torch.Tensor,
+    a_scale_M: torch.Tensor,
+    b_q_NK: torch.Tensor,
+    b_scale_N: torch.Tensor,
+    out_dtype: torch.dtype,
+    emulate: bool,
+) -> torch.Tensor:
+    """(a_q * a_scale) @ (b_q * b_scale)^T: both operands row-major with the reduction dim K last,
+    one scale per row. FP8 tensor cores, or fp32 math when emulated."""
+    if emulate:
+        a_MK = quant.dequantize_fp8_rowwise(a_q_MK, a_scale_M)
+        b_NK = quant.dequantize_fp8_rowwise(b_q_NK, b_scale_N)
+        return (a_MK @ b_NK.T).to(out_dtype)
+    out = torch._scaled_mm(
+        a_q_MK, b_q_NK.T, a_scale_M[:, None], b_scale_N[None, :], out_dtype=torch.bfloat16
+    )
+    return out.to(out_dtype)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """x @ cat(weights)^T with all three products in FP8; saves x and the weights themselves."""
+
+    @staticmethod
+    def forward(ctx, x, emulate, *weights):  # type: ignore[override]
+        w_NK = weights[0] if len(weights) == 1 else torch.cat(weights)
+        x_MK = x.reshape(-1, x.shape[-1])
+        y_MN = scaled_mm(*quantize_rows(x_MK), *quantize_rows(w_NK), x.dtype, emulate)
+        ctx.save_for_backward(x, *weights)
+        ctx.emulate = emulate
+        return y_MN.view(*x.shape[:-1], w_NK.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        emulate = ctx.emulate
+        w_NK = weights[0] if len(weights) == 1 else torch.cat(weights)
+        x_MK = x.reshape(-1, x.shape[-1])
+        g_MN = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_q, g_scale = quantize_rows(g_MN)
+            grad_x = scaled_mm(g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, emulate)
+            grad_x = grad_x.view(x.shape)
+        if any(ctx.needs_input_grad[2:]):
+            if x_MK.shape[0] % 16 == 0:
+                grad_w = scaled_mm(
+                    *quantize_rows(g_MN.T), *quantize_rows(x_MK.T), w_NK.dtype, emulate
+                )
+            else:  # the FP8 kernel needs the reduction dim (tokens) in multiples of 16
+                grad_w = (g_MN.T.to(x.dtype) @ x_MK).to(w_NK.dtype)
+            grads_w = grad_w.split([w.shape[0] for w in weights])
+        else:
+            grads_w = [None] * len(weights)
+        return grad_x, None, *grads_w
+
+
+def fp8_linear(x: torch.Tensor, weights: list[torch.Tensor], *, emulate: bool) -> torch.Tensor:
+    """x @ cat(weights)^T (nn.Linear weights stacked along their output dim) in FP8 row-scaled
+    precision, forward and backward. x: (..., K); every weight (N_i, K); K and every N_i
+    multiples of 16 (checked by `check_fp8_widths` at start-up)."""
+    return _FP8Linear.apply(x, emulate, *weights)
+
+
+def check_fp8_widths(name: str, **widths: int) -> None:
+    """ValueError unless every width is a multiple of 16 (16-byte rows of e4m3 for the kernels)."""
+    bad = [f"{k}={v}" for k, v in widths.items() if v % 16]
+    if bad:
+        raise ValueError(f"{name}: FP8 GEMMs need widths in multiples of 16, got {', '.join(bad)}")
