@@ -207,8 +207,9 @@ def run_calibrate_and_project(args: argparse.Namespace, device) -> int:
         say(f"calibration written to {path}:\n{cal.to_json()}")
         say(f"sustained matmul: {cal.sustained_tflops} TFLOP/s (short: {cal.matmul_tflops:.0f})")
         say(
-            "\nplanner (calibrated) against bench, the sharded optimizer in mixed precision "
-            f"(what the planner models):\n{calibrate.CHECK_HEADER}"
+            "\nplanner (calibrated) against bench in mixed precision: time with the replicated "
+            "AdamW (CUDA-graphed, as the time model assumes), memory with ShardedAdamW (what "
+            f"the memory model holds):\n{calibrate.CHECK_HEADER}"
         )
         for config in configs:
             say(calibrate.check(config, cal, **bench_kw).row())
