@@ -118,12 +118,13 @@ class FP8RowwiseGroupedGemm:
     Weight grad  gw_i = x_i^T gy_i in BF16 with `torch._grouped_mm`: the FP8 2-D x 2-D kernel
                  asserts non-empty groups whose sizes are multiples of 16, which routing does not
                  give (see the module docstring). x is therefore saved in its input precision.
-    Weights are quantized at every call, like the activations (`moetrain.nn.fp8.quantize_rows`:
-    plain torch ops that Inductor fuses when compiled, Triton eager on the GPU): no cache, no
-    host-side state, so the compiled block has no graph break and the step can be CUDA-graphed.
-    Without a capable GPU (`emulate=True`, or built for the CPU) the same math runs as quantize ->
-    dequantize -> fp32 grouped GEMM: equal to the hardware path up to the order of fp32
-    accumulation, and `emulated` is True.
+    Weights are quantized at every call, like the activations: no cache, no host-side state. On
+    the GPU the product and its backward are two opaque torch.library ops with a registered
+    autograd formula (`fp8_grouped_mm`), quantizing with the Triton kernels inside: a compiled
+    block traces them without a graph break and the step can be CUDA-graphed. Without a capable
+    GPU (`emulate=True`, or built for the CPU) the same math runs as quantize -> dequantize ->
+    fp32 grouped GEMM: equal to the hardware path up to the order of fp32 accumulation, and
+    `emulated` is True.
     """
 
     def __init__(
@@ -157,7 +158,9 @@ class FP8RowwiseGroupedGemm:
                 raise ValueError(
                     f"{self.name}: at most 1023 experts per GEMM, got {w_eDF.shape[0]}"
                 )
-        return _FP8RowwiseFn.apply(x_ND, w_eDF, offs_e, self.emulated, self.use_fast_accum)
+        if self.emulated:
+            return _FP8RowwiseFn.apply(x_ND, w_eDF, offs_e, True, self.use_fast_accum)
+        return fp8_grouped_mm(x_ND.contiguous(), w_eDF, offs_e, self.use_fast_accum)
 
 
 def quantized_weight(w_eDF: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,22 +187,7 @@ def scaled_grouped_mm(
         a_MK = quant.dequantize_fp8_rowwise(a_q_MK, a_scale_M, dim=-1)
         b_eNK = quant.dequantize_fp8_rowwise(b_q_eNK, b_scale_eN, dim=-1)
         return grouped_mm(a_MK, b_eNK.mT, offs_e).to(out_dtype)
-    out_MN = _scaled_grouped_mm_op(a_q_MK, b_q_eNK, a_scale_M, b_scale_eN, offs_e, use_fast_accum)
-    return out_MN.to(out_dtype)
-
-
-@torch.library.custom_op("moetrain::scaled_grouped_mm", mutates_args=())
-def _scaled_grouped_mm_op(
-    a_q_MK: torch.Tensor,
-    b_q_eNK: torch.Tensor,
-    a_scale_M: torch.Tensor,
-    b_scale_eN: torch.Tensor,
-    offs_e: torch.Tensor,
-    use_fast_accum: bool,
-) -> torch.Tensor:
-    """`torch._scaled_grouped_mm` as an opaque op: compiled graphs call torch's kernel on the
-    operands as given, not Inductor's lowering of it; the quantizations around it still fuse."""
-    return torch._scaled_grouped_mm(
+    out_MN = torch._scaled_grouped_mm(
         a_q_MK,
         b_q_eNK.mT,
         a_scale_M,
@@ -208,14 +196,73 @@ def _scaled_grouped_mm_op(
         out_dtype=torch.bfloat16,
         use_fast_accum=use_fast_accum,
     )
+    return out_MN.to(out_dtype)
 
 
-@_scaled_grouped_mm_op.register_fake
-def _(a_q_MK, b_q_eNK, a_scale_M, b_scale_eN, offs_e, use_fast_accum):
-    return a_q_MK.new_empty((a_q_MK.shape[0], b_q_eNK.shape[1]), dtype=torch.bfloat16)
+# The hardware path is two opaque ops with a registered autograd formula (torch.library): traced
+# by torch.compile without a graph break, called as they are. As an autograd.Function with the
+# quantizations traced into the graph, the compiled backward returned zero gradients for both
+# inputs on the H200 (torch 2.11; aot_eager as well as inductor). Inside the ops the Triton
+# quantizers run.
+@torch.library.custom_op("moetrain::fp8_grouped_mm", mutates_args=())
+def fp8_grouped_mm(
+    x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor, use_fast_accum: bool
+) -> torch.Tensor:
+    """y = x @ w per group on FP8 tensor cores (x row-major)."""
+    return scaled_grouped_mm(
+        *quantize_rows(x_ND, dim=-1), *quantized_weight(w_eDF, "D"), offs_e, x_ND.dtype,
+        False, use_fast_accum,
+    )  # fmt: skip
+
+
+@fp8_grouped_mm.register_fake
+def _(x_ND, w_eDF, offs_e, use_fast_accum):
+    return x_ND.new_empty((x_ND.shape[0], w_eDF.shape[2]))
+
+
+@torch.library.custom_op("moetrain::fp8_grouped_mm_backward", mutates_args=())
+def fp8_grouped_mm_backward(
+    grad_y_NF: torch.Tensor,
+    x_ND: torch.Tensor,
+    w_eDF: torch.Tensor,
+    offs_e: torch.Tensor,
+    use_fast_accum: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad x in FP8, grad w in bf16) of `fp8_grouped_mm`."""
+    grad_y_NF = grad_y_NF.contiguous()
+    grad_x_ND = scaled_grouped_mm(
+        *quantize_rows(grad_y_NF, dim=-1), *quantized_weight(w_eDF, "F"), offs_e, x_ND.dtype,
+        False, use_fast_accum,
+    )  # fmt: skip
+    grad_w_eDF = _grouped_weight_grad(x_ND, grad_y_NF.to(x_ND.dtype), offs_e).to(w_eDF.dtype)
+    return grad_x_ND, grad_w_eDF
+
+
+@fp8_grouped_mm_backward.register_fake
+def _(grad_y_NF, x_ND, w_eDF, offs_e, use_fast_accum):
+    return torch.empty_like(x_ND), torch.empty_like(w_eDF)
+
+
+def _fp8_grouped_mm_setup(ctx, inputs, output) -> None:
+    x_ND, w_eDF, offs_e, use_fast_accum = inputs
+    ctx.save_for_backward(x_ND, w_eDF, offs_e)
+    ctx.use_fast_accum = use_fast_accum
+
+
+def _fp8_grouped_mm_grad(ctx, grad_y_NF):
+    x_ND, w_eDF, offs_e = ctx.saved_tensors
+    grad_x_ND, grad_w_eDF = fp8_grouped_mm_backward(
+        grad_y_NF, x_ND, w_eDF, offs_e, ctx.use_fast_accum
+    )
+    return grad_x_ND, grad_w_eDF, None, None
+
+
+fp8_grouped_mm.register_autograd(_fp8_grouped_mm_grad, setup_context=_fp8_grouped_mm_setup)
 
 
 class _FP8RowwiseFn(torch.autograd.Function):
+    """The emulation's autograd (the CPU, tests): the same products in fp32 math."""
+
     @staticmethod
     def forward(ctx, x_ND, w_eDF, offs_e, emulate: bool, use_fast_accum: bool):
         x_ND = x_ND.contiguous()  # the weight gradient reads x.T as a column-major operand

@@ -139,7 +139,10 @@ def test_compiled_no_sync_block_on_one_gpu(payload):
     """The same on CUDA, 2 ranks on one GPU over gloo, inductor with Triton: within 2% in norm,
     the bound of tests/gpu/test_gpu_multirank.py for bf16 gradients. gloo with CUDA tensors keeps
     the eager collectives under compile (comm.traceable: the functional ones crashed a rank
-    there), so the block is several graphs here; one graph over NCCL needs two GPUs."""
+    there), so the block is several graphs here; one graph over NCCL needs two GPUs. The FP8
+    payload rounds rows to e4m3, where inductor's other bf16 roundings upstream flip codes:
+    3% (measured 2.1% on the H200)."""
+    bound = 3e-2 if payload == "fp8" else 2e-2
     assert (
-        run_distributed(_compiled_matches_eager, 2, "inductor", payload, "cuda", 2e-2) == [True] * 2
+        run_distributed(_compiled_matches_eager, 2, "inductor", payload, "cuda", bound) == [True] * 2
     )
