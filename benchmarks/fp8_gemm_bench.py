@@ -23,7 +23,7 @@ from moetrain.kernels import quant, quant_triton
 from moetrain.moe.fp8_gemm import (
     BF16GroupedGemm,
     FP8RowwiseGroupedGemm,
-    fp8_rowwise_unsupported_reason,
+    fp8_unsupported_reason,
 )
 
 
@@ -160,11 +160,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
-    reason = (
-        fp8_rowwise_unsupported_reason(torch.device("cuda"))
-        if torch.cuda.is_available()
-        else "no GPU"
-    )
+    reason = fp8_unsupported_reason(torch.device("cuda")) if torch.cuda.is_available() else "no GPU"
     if reason is not None:
         raise SystemExit(f"fp8_gemm_bench: {reason}")
     if not quant_triton.triton_available():

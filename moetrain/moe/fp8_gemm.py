@@ -106,9 +106,6 @@ class BF16GroupedGemm:
         return grouped_mm(x_ND, w_eDF, offs_e)
 
 
-fp8_rowwise_unsupported_reason = fp8_unsupported_reason
-
-
 class FP8RowwiseGroupedGemm:
     """E4M3 operands with one fp32 scale per row of the activation and per output column of the
     weight, bf16 output, fp32 accumulation.
@@ -374,7 +371,7 @@ def make_grouped_gemm(recipe: str, device: torch.device | str) -> GroupedGemm:
     if recipe == "fp8_rowwise":
         if device.type == "cpu":
             return FP8RowwiseGroupedGemm(device, emulate=True)
-        reason = fp8_rowwise_unsupported_reason(device)
+        reason = fp8_unsupported_reason(device)
         if reason is not None:
             raise ValueError(
                 f"precision.experts=fp8_rowwise is unavailable: {reason}; use 'bf16' or 'mxfp8' (emulation)"

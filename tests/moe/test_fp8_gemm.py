@@ -13,7 +13,7 @@ from moetrain.moe.fp8_gemm import (
     BF16GroupedGemm,
     FP8RowwiseGroupedGemm,
     MXFP8EmulatedGroupedGemm,
-    fp8_rowwise_unsupported_reason,
+    fp8_unsupported_reason,
     make_grouped_gemm,
 )
 
@@ -143,7 +143,7 @@ def test_errors_name_the_problem():
             gemm(x[:, :32], w, offs)
     with pytest.raises(ValueError, match="multiples of 32"):
         MXFP8EmulatedGroupedGemm("cpu")(x[:, :48], w[:, :48], offs)
-    assert fp8_rowwise_unsupported_reason(torch.device("cpu")) is not None
+    assert fp8_unsupported_reason(torch.device("cpu")) is not None
 
 
 def test_float64_inputs_use_the_loop():
@@ -156,9 +156,7 @@ def test_float64_inputs_use_the_loop():
 
 # --- GPU ---------------------------------------------------------------------------------------
 
-HAS_FP8_GPU = (
-    torch.cuda.is_available() and fp8_rowwise_unsupported_reason(torch.device("cuda")) is None
-)
+HAS_FP8_GPU = torch.cuda.is_available() and fp8_unsupported_reason(torch.device("cuda")) is None
 GPU_COUNTS = [1500, 0, 2500, 700, 1300, 17, 1000, 976]  # 8 uneven groups, one empty: 7993 rows
 GPU_ROWS, GPU_D, GPU_F = 8192, 1024, 512
 

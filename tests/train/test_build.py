@@ -43,3 +43,20 @@ def test_fp8_linears_are_installed_and_checked_at_start_up():
     bad = tiny().with_overrides(["precision.linear=fp8_rowwise", "model.d_model=72"])
     with pytest.raises(ValueError, match="model.d_model=72"):
         apply_precision(Transformer(bad), bad, torch.device("cpu"))
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_start_up_error(monkeypatch):
+    """An A100 (sm80), say: precision.linear and precision.experts=fp8_rowwise fail at start-up
+    naming the GPU, never a silent emulation."""
+    from moetrain.model.transformer import Transformer
+    from moetrain.moe import fp8_gemm
+    from moetrain.train import build
+
+    reason = "FP8 tensor-core GEMMs need compute capability 9.x or 10.x; NVIDIA A100 has 8.0"
+    monkeypatch.setattr(build, "fp8_unsupported_reason", lambda device: reason)
+    monkeypatch.setattr(fp8_gemm, "fp8_unsupported_reason", lambda device: reason)
+    cuda = torch.device("cuda")
+    for field in ("precision.linear", "precision.experts"):
+        config = tiny().with_overrides([f"{field}=fp8_rowwise"])
+        with pytest.raises(ValueError, match=f"{field}=fp8_rowwise is unavailable: .*A100"):
+            build.apply_precision(Transformer(config), config, cuda)
