@@ -25,6 +25,7 @@ more if the FP8 GEMMs' lower energy per FLOP lifts the capped clock.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 
@@ -180,29 +181,33 @@ def print_row(r: dict) -> None:
     )
 
 
+def time_variant(config, steps: int) -> dict:
+    """One preset and precision as `moetrain bench` builds it (mixed optimizer, CUDA graph)."""
+    torch.cuda.reset_peak_memory_stats()
+    with warmed_trainer(config, "mixed") as (trainer, it):
+        graphed = trainer.step_graph is not None and trainer.step_graph.graph is not None
+        times = time_steps(
+            lambda: trainer.train_step(it), warmup=2, steps=steps, device=trainer.device
+        )
+        loss = trainer.train_step(it).item()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    ms = statistics.median(times)
+    return {"ms": ms, "peak_gib": peak, "graphed": graphed, "loss": loss, "times": times}
+
+
 def step_rows(presets: list[str], variants: list[str], steps: int) -> list[dict]:
     rows = []
     for preset in presets:
         for variant in variants:
             config = get_preset(preset).with_overrides(VARIANTS[variant])
-            torch.cuda.reset_peak_memory_stats()
-            with warmed_trainer(config, "mixed") as (trainer, it):
-                graphed = trainer.step_graph is not None and trainer.step_graph.graph is not None
-                times = time_steps(
-                    lambda: trainer.train_step(it), warmup=2, steps=steps, device=trainer.device
-                )
-                loss = trainer.train_step(it).item()
-            peak = torch.cuda.max_memory_allocated() / 2**30
+            row = {"preset": preset, "variant": variant, **time_variant(config, steps)}
+            gc.collect()  # the trainer and its step graph's memory pool, before the next one
             torch.cuda.empty_cache()
-            row = {
-                "preset": preset, "variant": variant, "ms": statistics.median(times),
-                "peak_gib": peak, "graphed": graphed, "loss": loss, "times": times,
-            }  # fmt: skip
             rows.append(row)
             base = next(r for r in rows if r["preset"] == preset)
             print(
                 f"  {preset:<8} {variant:<20} {row['ms']:8.2f} ms  x{row['ms'] / base['ms']:.3f}  "
-                f"peak {peak:6.2f} GiB  graphed {graphed}  loss {loss:.3f}",
+                f"peak {row['peak_gib']:6.2f} GiB  graphed {row['graphed']}  loss {row['loss']:.3f}",
                 flush=True,
             )
     return rows
