@@ -1,7 +1,7 @@
 """FP8 training on Hopper: moetrain's FP8 linears and expert GEMMs against torchao's and BF16, on
 the same shapes in the same job, then whole training steps.
 
-    python benchmarks/fp8_training.py [--parts kernels,steps] [--presets olmoe8,small]
+    python benchmarks/fp8_training.py [--parts kernels,products,steps] [--presets olmoe8,small]
         [--steps 8] [--json OUT.json]
 
 1. kernels: compiled forward + backward of one product at olmoe8's shapes (16,384 tokens):
@@ -12,7 +12,9 @@ the same shapes in the same job, then whole training steps.
    `_to_fp8_rowwise_then_scaled_grouped_mm`, each in its own weight layout. Median ms (CUDA
    events) and the relative error of output, input and weight gradient against fp32.
    torchao is optional: without it its rows are skipped.
-2. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16, with FP8
+2. products: the FP8 linear taken apart at the output projection's shape: each product on
+   pre-quantized operands against bf16, and each quantization alone.
+3. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16, with FP8
    expert GEMMs, and with FP8 expert GEMMs and projections: median ms, peak GiB, graphed or not.
 
 Prediction (olmoe8, H200, from the FLOP split in the FP8 issue): the expert GEMMs' forward and
@@ -213,6 +215,47 @@ def step_rows(presets: list[str], variants: list[str], steps: int) -> list[dict]
     return rows
 
 
+def product_rows(tokens: int, k: int, n: int, reps: int = 20) -> list[dict]:
+    """Where an FP8 linear's time goes: each of its three products alone on operands quantized
+    beforehand, against the bf16 product, and each quantization alone (compiled, as a block
+    runs it). y = x w^T with x (tokens, k), w (n, k)."""
+    from moetrain.kernels import quant
+    from moetrain.nn.fp8 import scaled_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(tokens, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    g = torch.randn(tokens, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    quantize = torch.compile(quant.quantize_fp8_rowwise)
+    operands = {  # product: (row-major a, b with the reduction dim last), as fp8_linear has them
+        "forward": (x, w),
+        "input grad": (g, w.T),
+        "weight grad": (g.T, x.T),
+    }
+    rows = []
+    for name, (a, b) in operands.items():
+        qa, qb = quantize(a.contiguous()), quantize(b.contiguous())
+        flops = 2 * a.shape[0] * a.shape[1] * b.shape[0]
+        bf16_ms = timed(lambda a=a, b=b: a @ b.T, reps)
+        fp8_ms = timed(lambda qa=qa, qb=qb: scaled_mm(*qa, *qb, torch.bfloat16, False), reps)
+        quant_ms = timed(lambda a=a: quantize(a), reps) + timed(lambda b=b: quantize(b), reps)
+        rows.append(
+            {
+                "product": name, "shape": [a.shape[0], b.shape[0], a.shape[1]],
+                "bf16_ms": bf16_ms, "bf16_tflops": flops / bf16_ms / 1e9,
+                "fp8_ms": fp8_ms, "fp8_tflops": flops / fp8_ms / 1e9, "quantize_ms": quant_ms,
+            }
+        )  # fmt: skip
+        r = rows[-1]
+        print(
+            f"  {name:<12} (M, N, K) {tuple(r['shape'])}: bf16 {bf16_ms:.3f} ms "
+            f"({r['bf16_tflops']:.0f} TFLOP/s), fp8 GEMM {fp8_ms:.3f} ms "
+            f"({r['fp8_tflops']:.0f}), its two quantizations {quant_ms:.3f} ms",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--parts", default="kernels,steps")
@@ -234,6 +277,10 @@ def main() -> None:
         results["linear"] = linear_rows(16384, reps=20)
         save(results, args.json)
         results["grouped"] = grouped_rows(131072, 64, 2048, 2048, reps=10)
+        save(results, args.json)
+    if "products" in parts:
+        print("an FP8 linear's products and quantizations, olmoe8's output projection")
+        results["products"] = product_rows(16384, 2048, 2048)
         save(results, args.json)
     if "steps" in parts:
         print("training steps (moetrain bench, mixed optimizer)")
