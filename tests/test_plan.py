@@ -402,3 +402,26 @@ def test_planner_does_not_import_torch():
 
     code = "import sys, moetrain.plan; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("dense_layers", [0, 1])
+def test_fp8_linears_move_the_projections_to_the_fp8_rate(dense_layers):
+    """precision.linear=fp8_rowwise: the attention projections and dense SwiGLUs, and nothing
+    else, run at the FP8 matmul rate: the product time falls by exactly their FLOPs times the
+    difference of the two rates' reciprocals."""
+    from moetrain.plan.timing import _matmul_s
+
+    config = get_preset("olmoe8").with_overrides([f"model.num_dense_layers={dense_layers}"])
+    fp8 = config.with_overrides(["precision.linear=fp8_rowwise"])
+    cluster = P.Cluster(gpu=P.GPUS["h200"], num_gpus=1)
+    layout = P.Layout(pp=1, dp=1, ep=1, micro_batch_size=config.train.micro_batch_size)
+    saved = _matmul_s(config, cluster, layout, 0) - _matmul_s(fp8, cluster, layout, 0)
+    m = config.model
+    projections = param_counts(config).attention - (m.num_heads + m.kv_heads) * m.dim_per_head * m.num_layers  # fmt: skip
+    dense_mlp = 3 * m.d_model * m.dense_hidden_size * dense_layers
+    flops = 6 * (projections + dense_mlp) * config.train.micro_batch_size * config.train.seq_len
+    rate = cluster.matmul_efficiency * 1e12
+    expected = flops * (
+        1 / (P.GPUS["h200"].bf16_tflops * rate) - 1 / (P.GPUS["h200"].fp8_tflops * rate)
+    )
+    assert saved == pytest.approx(expected, rel=1e-3)
