@@ -1,5 +1,6 @@
 """How the trainer builds its parts from a config: the optimizer (and its update kernel), the
-expert-GEMM precision, the parameter dtype, and the claim on a run directory. Each function
+GEMM precisions (experts, linears), the parameter dtype, the data loaders, and the claim on a
+run directory. Each function
 fails at start-up, with the field to change, on a choice this machine cannot honour.
 """
 
@@ -12,6 +13,13 @@ import torch
 
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
+from moetrain.data import (
+    MixedLoader,
+    RandomTokenLoader,
+    SequenceLoader,
+    open_data,
+    source_labels,
+)
 from moetrain.model.transformer import Transformer
 from moetrain.moe.fp8_gemm import make_grouped_gemm
 from moetrain.nn.attention import Attention
@@ -194,3 +202,37 @@ def claim_run_dir(run_dir: Path, checkpoint_root: Path, overwrite: bool, is_main
         metrics.unlink(missing_ok=True)
         for events in run_dir.glob("events.out.tfevents.*"):
             events.unlink()
+
+
+def build_loaders(cfg: RunConfig, d: ParallelDims, device: torch.device):
+    """(train loader, val loader or {source: loader} for a mix, tokenizer or None) of this
+    data-parallel rank: random ids, one token directory, or a weighted mix of sources."""
+    t = cfg.train
+    if cfg.data.random_tokens:
+        make = lambda seed: RandomTokenLoader(  # noqa: E731
+            cfg.model.vocab_size,
+            t.seq_len,
+            t.micro_batch_size,
+            seed=seed,
+            rank=d.dp_rank,
+            device=device,
+        )
+        return make(t.seed), make(t.seed + 1), None
+    train_tokens, val_tokens, tokenizer = open_data(cfg.data, cfg.model.vocab_size)
+    common = dict(rank=d.dp_rank, world_size=d.dp, device=device)
+    shape = (t.seq_len, t.micro_batch_size)
+    if cfg.data.sources:  # a mix: one val loader per source, evaluated one by one
+        weights = [s.weight for s in cfg.data.sources]
+        train = MixedLoader(train_tokens, weights, *shape, seed=t.seed, **common)
+        val = {}
+        labels = source_labels(cfg.data)
+        for i, (label, tokens) in enumerate(zip(labels, val_tokens, strict=True)):
+            try:
+                val[label] = SequenceLoader(tokens, *shape, seed=t.seed, **common)
+            except ValueError as exc:
+                where = f"data.sources[{i}] ({cfg.data.sources[i].path})"
+                raise ValueError(f"the val split of {where}: {exc}") from None
+        return train, val, tokenizer
+    train = SequenceLoader(train_tokens, *shape, seed=t.seed, **common)
+    val = SequenceLoader(val_tokens, *shape, seed=t.seed, **common)
+    return train, val, tokenizer

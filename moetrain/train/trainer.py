@@ -34,11 +34,8 @@ from moetrain.config import RunConfig
 from moetrain.config_resume import check_resumable
 from moetrain.data import (
     MixedLoader,
-    RandomTokenLoader,
-    SequenceLoader,
     check_same_data,
     data_fingerprint,
-    open_data,
     resolve_eos_id,
     resolve_vocab_size,
     source_labels,
@@ -56,6 +53,7 @@ from moetrain.parallel.pipeline import Pipeline
 from moetrain.train import step as train_step
 from moetrain.train.build import (
     apply_precision,
+    build_loaders,
     build_optimizer,
     claim_run_dir,
     resolve_param_dtype,
@@ -129,7 +127,9 @@ class Trainer:
         self.optimizer = build_optimizer(model, config, self.dims)
 
         # ---- data ----
-        self.train_loader, self.val_loader, self.tokenizer = self._build_loaders()
+        self.train_loader, self.val_loader, self.tokenizer = build_loaders(
+            self.config, self.dims, self.device
+        )
         self.data_fingerprint = data_fingerprint(config.data)
         self._tokenizer_files = (  # every checkpoint carries them (data/tokenizer_files.py)
             tokenizer_files(self.tokenizer, t.seq_len) if self.tokenizer is not None else None
@@ -214,38 +214,6 @@ class Trainer:
         model.init_weights(self.config.train.seed)
         for param in model.parameters():
             param.data = param.data.to(self.param_dtype)
-
-    # ------------------------------------------------------------------ data
-    def _build_loaders(self):
-        cfg, t, d = self.config, self.config.train, self.dims
-        if cfg.data.random_tokens:
-            make = lambda seed: RandomTokenLoader(  # noqa: E731
-                cfg.model.vocab_size,
-                t.seq_len,
-                t.micro_batch_size,
-                seed=seed,
-                rank=d.dp_rank,
-                device=self.device,
-            )
-            return make(t.seed), make(t.seed + 1), None
-        train_tokens, val_tokens, tokenizer = open_data(cfg.data, cfg.model.vocab_size)
-        common = dict(rank=d.dp_rank, world_size=d.dp, device=self.device)
-        shape = (t.seq_len, t.micro_batch_size)
-        if cfg.data.sources:  # a mix: one val loader per source, evaluated one by one
-            weights = [s.weight for s in cfg.data.sources]
-            train = MixedLoader(train_tokens, weights, *shape, seed=t.seed, **common)
-            val = {}
-            labels = source_labels(cfg.data)
-            for i, (label, tokens) in enumerate(zip(labels, val_tokens, strict=True)):
-                try:
-                    val[label] = SequenceLoader(tokens, *shape, seed=t.seed, **common)
-                except ValueError as exc:
-                    where = f"data.sources[{i}] ({cfg.data.sources[i].path})"
-                    raise ValueError(f"the val split of {where}: {exc}") from None
-            return train, val, tokenizer
-        train = SequenceLoader(train_tokens, *shape, seed=t.seed, **common)
-        val = SequenceLoader(val_tokens, *shape, seed=t.seed, **common)
-        return train, val, tokenizer
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
