@@ -199,8 +199,9 @@ def scaled_grouped_mm(
 # The hardware path is two opaque ops with a registered autograd formula (torch.library): traced
 # by torch.compile without a graph break, called as they are. As an autograd.Function with the
 # quantizations traced into the graph, the compiled backward returned zero gradients for both
-# inputs on the H200 (torch 2.11; aot_eager as well as inductor). Inside the ops the Triton
-# quantizers run.
+# inputs on the H200 (torch 2.11; aot_eager as well as inductor): likely dynamo reading
+# `ctx.needs_input_grad` as False, the symptom of pytorch/pytorch#160901 (not confirmed here).
+# Inside the ops the Triton quantizers run.
 @torch.library.custom_op("moetrain::fp8_grouped_mm", mutates_args=())
 def fp8_grouped_mm(
     x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor, use_fast_accum: bool

@@ -91,21 +91,15 @@ class _FP8Linear(torch.autograd.Function):
         w_NK = weights[0] if len(weights) == 1 else torch.cat(weights)
         x_MK = x.reshape(-1, x.shape[-1])
         g_MN = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            g_q, g_scale = quantize_rows(g_MN)
-            grad_x = scaled_mm(g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, emulate)
-            grad_x = grad_x.view(x.shape)
-        if any(ctx.needs_input_grad[2:]):
-            if x_MK.shape[0] % 16 == 0:
-                grad_w = scaled_mm(
-                    *quantize_rows(g_MN.T), *quantize_rows(x_MK.T), w_NK.dtype, emulate
-                )
-            else:  # the FP8 kernel needs the reduction dim (tokens) in multiples of 16
-                grad_w = (g_MN.T.to(x.dtype) @ x_MK).to(w_NK.dtype)
-            grads_w = grad_w.split([w.shape[0] for w in weights])
-        else:
-            grads_w = [None] * len(weights)
+        # Both gradients, always: dynamo has been seen to read `ctx.needs_input_grad` as False
+        # for inputs that need a gradient (pytorch/pytorch#160901), silently dropping it.
+        g_q, g_scale = quantize_rows(g_MN)
+        grad_x = scaled_mm(g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, emulate).view(x.shape)
+        if x_MK.shape[0] % 16 == 0:
+            grad_w = scaled_mm(*quantize_rows(g_MN.T), *quantize_rows(x_MK.T), w_NK.dtype, emulate)
+        else:  # the FP8 kernel needs the reduction dim (tokens) in multiples of 16
+            grad_w = (g_MN.T.to(x.dtype) @ x_MK).to(w_NK.dtype)
+        grads_w = grad_w.split([w.shape[0] for w in weights])
         return grad_x, None, *grads_w
 
 
