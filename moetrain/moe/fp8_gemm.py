@@ -115,10 +115,10 @@ class FP8RowwiseGroupedGemm:
     Weight grad  gw_i = x_i^T gy_i in BF16 with `torch._grouped_mm`: the FP8 2-D x 2-D kernel
                  asserts non-empty groups whose sizes are multiples of 16, which routing does not
                  give (see the module docstring). x is therefore saved in its input precision.
-    Weights are quantized at every call, like the activations: no cache, no host-side state. On
-    the GPU the product and its backward are two opaque torch.library ops with a registered
-    autograd formula (`fp8_grouped_mm`), quantizing with the Triton kernels inside: a compiled
-    block traces them without a graph break and the step can be CUDA-graphed. Without a capable
+    Weights are quantized at every call, like the activations: no cache, no host-side state. The
+    product and its backward are two opaque torch.library ops with a registered autograd formula
+    (`fp8_grouped_mm`), quantizing with the Triton kernels inside on the GPU: a compiled block
+    traces them without a graph break and the step can be CUDA-graphed. Without a capable
     GPU (`emulate=True`, or built for the CPU) the same math runs as quantize -> dequantize ->
     fp32 grouped GEMM: equal to the hardware path up to the order of fp32 accumulation, and
     `emulated` is True.
@@ -155,9 +155,7 @@ class FP8RowwiseGroupedGemm:
                 raise ValueError(
                     f"{self.name}: at most 1023 experts per GEMM, got {w_eDF.shape[0]}"
                 )
-        if self.emulated:
-            return _FP8RowwiseFn.apply(x_ND, w_eDF, offs_e, True, self.use_fast_accum)
-        return fp8_grouped_mm(x_ND.contiguous(), w_eDF, offs_e, self.use_fast_accum)
+        return fp8_grouped_mm(x_ND.contiguous(), w_eDF, offs_e, self.emulated, self.use_fast_accum)
 
 
 def quantized_weight(w_eDF: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,25 +194,29 @@ def scaled_grouped_mm(
     return out_MN.to(out_dtype)
 
 
-# The hardware path is two opaque ops with a registered autograd formula (torch.library): traced
-# by torch.compile without a graph break, called as they are. As an autograd.Function with the
+# The product is two opaque ops with a registered autograd formula (torch.library): traced by
+# torch.compile without a graph break, called as they are. As an autograd.Function with the
 # quantizations traced into the graph, the compiled backward returned zero gradients for both
 # inputs on the H200 (torch 2.11; aot_eager as well as inductor): likely dynamo reading
 # `ctx.needs_input_grad` as False, the symptom of pytorch/pytorch#160901 (not confirmed here).
-# Inside the ops the Triton quantizers run.
+# Inside the ops the Triton quantizers run on the GPU.
 @torch.library.custom_op("moetrain::fp8_grouped_mm", mutates_args=())
 def fp8_grouped_mm(
-    x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor, use_fast_accum: bool
+    x_ND: torch.Tensor,
+    w_eDF: torch.Tensor,
+    offs_e: torch.Tensor,
+    emulate: bool,
+    use_fast_accum: bool,
 ) -> torch.Tensor:
-    """y = x @ w per group on FP8 tensor cores (x row-major)."""
+    """y = x @ w per group in FP8 (x row-major): tensor cores, or the fp32 emulation."""
     return scaled_grouped_mm(
         *quantize_rows(x_ND, dim=-1), *quantized_weight(w_eDF, "D"), offs_e, x_ND.dtype,
-        False, use_fast_accum,
+        emulate, use_fast_accum,
     )  # fmt: skip
 
 
 @fp8_grouped_mm.register_fake
-def _(x_ND, w_eDF, offs_e, use_fast_accum):
+def _(x_ND, w_eDF, offs_e, emulate, use_fast_accum):
     return x_ND.new_empty((x_ND.shape[0], w_eDF.shape[2]))
 
 
@@ -224,69 +226,39 @@ def fp8_grouped_mm_backward(
     x_ND: torch.Tensor,
     w_eDF: torch.Tensor,
     offs_e: torch.Tensor,
+    emulate: bool,
     use_fast_accum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad x in FP8, grad w in bf16) of `fp8_grouped_mm`."""
+    """(grad x in FP8, grad w in the input precision) of `fp8_grouped_mm`."""
     grad_y_NF = grad_y_NF.contiguous()
     grad_x_ND = scaled_grouped_mm(
         *quantize_rows(grad_y_NF, dim=-1), *quantized_weight(w_eDF, "F"), offs_e, x_ND.dtype,
-        False, use_fast_accum,
+        emulate, use_fast_accum,
     )  # fmt: skip
     grad_w_eDF = _grouped_weight_grad(x_ND, grad_y_NF.to(x_ND.dtype), offs_e).to(w_eDF.dtype)
     return grad_x_ND, grad_w_eDF
 
 
 @fp8_grouped_mm_backward.register_fake
-def _(grad_y_NF, x_ND, w_eDF, offs_e, use_fast_accum):
+def _(grad_y_NF, x_ND, w_eDF, offs_e, emulate, use_fast_accum):
     return torch.empty_like(x_ND), torch.empty_like(w_eDF)
 
 
 def _fp8_grouped_mm_setup(ctx, inputs, output) -> None:
-    x_ND, w_eDF, offs_e, use_fast_accum = inputs
+    x_ND, w_eDF, offs_e, emulate, use_fast_accum = inputs
     ctx.save_for_backward(x_ND, w_eDF, offs_e)
-    ctx.use_fast_accum = use_fast_accum
+    ctx.emulate, ctx.use_fast_accum = emulate, use_fast_accum
 
 
 def _fp8_grouped_mm_grad(ctx, grad_y_NF):
     x_ND, w_eDF, offs_e = ctx.saved_tensors
     grad_x_ND, grad_w_eDF = fp8_grouped_mm_backward(
-        grad_y_NF, x_ND, w_eDF, offs_e, ctx.use_fast_accum
+        grad_y_NF, x_ND, w_eDF, offs_e, ctx.emulate, ctx.use_fast_accum
     )
-    return grad_x_ND, grad_w_eDF, None, None
+    return grad_x_ND, grad_w_eDF, None, None, None
 
 
 fp8_grouped_mm.register_autograd(_fp8_grouped_mm_grad, setup_context=_fp8_grouped_mm_setup)
-
-
-class _FP8RowwiseFn(torch.autograd.Function):
-    """The emulation's autograd (the CPU, tests): the same products in fp32 math."""
-
-    @staticmethod
-    def forward(ctx, x_ND, w_eDF, offs_e, emulate: bool, use_fast_accum: bool):
-        x_ND = x_ND.contiguous()  # the weight gradient reads x.T as a column-major operand
-        y_NF = scaled_grouped_mm(
-            *quantize_rows(x_ND, dim=-1), *quantized_weight(w_eDF, "D"), offs_e, x_ND.dtype,
-            emulate, use_fast_accum,
-        )  # fmt: skip
-        ctx.save_for_backward(x_ND, w_eDF, offs_e)
-        ctx.emulate, ctx.use_fast_accum = emulate, use_fast_accum
-        return y_NF
-
-    @staticmethod
-    def backward(ctx, grad_y_NF):
-        x_ND, w_eDF, offs_e = ctx.saved_tensors
-        grad_y_NF = grad_y_NF.contiguous()
-        grad_x_ND = grad_w_eDF = None
-        if ctx.needs_input_grad[0]:
-            grad_x_ND = scaled_grouped_mm(
-                *quantize_rows(grad_y_NF, dim=-1), *quantized_weight(w_eDF, "F"), offs_e,
-                x_ND.dtype, ctx.emulate, ctx.use_fast_accum,
-            )  # fmt: skip
-        if ctx.needs_input_grad[1]:
-            grad_w_eDF = _grouped_weight_grad(x_ND, grad_y_NF.to(x_ND.dtype), offs_e).to(
-                w_eDF.dtype
-            )
-        return grad_x_ND, grad_w_eDF, None, None, None
 
 
 class MXFP8EmulatedGroupedGemm:
