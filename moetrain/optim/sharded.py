@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from moetrain.dist_compat import all_gather_flat, reduce_scatter_flat
+from moetrain.kernels.accumulate_triton import accumulate_
 from moetrain.moe.experts import GroupedExperts
 from moetrain.optim.buckets import (
     Bucket,
@@ -186,7 +187,7 @@ class ShardedAdamW:
                 view.copy_(grad)
             param.grad = view
         elif grad is not None:
-            view.add_(grad)
+            accumulate_(view, grad, first=False)
             param.grad = None
 
     def _launch_reduce(self, bucket: Bucket) -> None:

@@ -34,6 +34,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from moetrain.kernels.accumulate_triton import accumulate_
 from moetrain.moe.layer import MoELayer
 from moetrain.optim.grad_hooks import weak_grad_hook
 from moetrain.parallel.expert import is_expert_param
@@ -68,11 +69,10 @@ class _Bucket:
 
     def collect(self, slot: int) -> None:
         """Accumulation mode: add this backward's .grad into the buffer (the first one of a step
-        is copied, so no memset pass is needed) and free it."""
+        is copied, so no memset pass is needed) and free it; one fused pass on the GPU."""
         grad = self.params[slot].grad
         if grad is not None:
-            view = self.view(slot)
-            view.copy_(grad) if self.fresh[slot] else view.add_(grad)
+            accumulate_(self.view(slot), grad, first=self.fresh[slot])
             self.fresh[slot] = False
             self.params[slot].grad = None
 
