@@ -29,9 +29,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK = 128  # FlexAttention's default sparse block size: the granularity of skipped work
+# The dense path (the reference) with a boolean mask: on CUDA no fused kernel takes fp32 with GQA
+# (cuDNN wants bf16/fp16, the memory-efficient one equal head counts), so math stays allowed.
+_DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @functools.cache
@@ -82,9 +86,10 @@ class DocumentMask:
             return compiled_flex_attention()(
                 q_BNSH, k_BGSH, v_BGSH, block_mask=self.block_mask, enable_gqa=gqa
             )
-        return F.scaled_dot_product_attention(
-            q_BNSH, k_BGSH, v_BGSH, attn_mask=self.dense_mask(), enable_gqa=gqa
-        )
+        with sdpa_kernel(_DENSE_BACKENDS):  # the math kernel too: no fused one takes every case
+            return F.scaled_dot_product_attention(
+                q_BNSH, k_BGSH, v_BGSH, attn_mask=self.dense_mask(), enable_gqa=gqa
+            )
 
 
 def _own_rows(x_BNSH: torch.Tensor) -> torch.Tensor:
@@ -140,7 +145,14 @@ def document_block_mask(ids_BS: torch.Tensor, block: int = BLOCK) -> BlockMask:
 
 def _ordered(blocks_BKK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count, indices) of the set blocks of each row, set ones first in ascending order, as
-    BlockMask holds them: (B, 1, K) and (B, 1, K, K) int32 (one head: the mask is per row)."""
+    BlockMask holds them: (B, 1, K) and (B, 1, K, K) int32 (one head: the mask is per row),
+    contiguous. FlexAttention's kernels read a row of indices as consecutive memory whatever the
+    strides; argsort of a transposed mask (the q side) keeps the transposed strides, and the
+    backward then visited the wrong query blocks (dk, dv wrong; torch 2.11 on the H200)."""
     blocks = blocks_BKK.to(torch.int32)[:, None]
     indices = torch.argsort(blocks, dim=-1, descending=True, stable=True)
-    return blocks.sum(-1, dtype=torch.int32), indices.to(torch.int32)
+    count = blocks.sum(-1, dtype=torch.int32)
+    return (
+        count.to(memory_format=torch.contiguous_format),
+        indices.to(torch.int32, memory_format=torch.contiguous_format),
+    )

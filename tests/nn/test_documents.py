@@ -102,6 +102,9 @@ def test_block_mask_equals_flex_attentions_create_block_mask(B, S, rate):
     ):
         a, b = getattr(got, name), getattr(expected, name)
         assert a.shape == b.shape and torch.equal(a, b), name
+        # FlexAttention's kernels read a row of block indices as consecutive memory, whatever
+        # the strides: a transposed layout gave wrong dk and dv on the GPU
+        assert a.is_contiguous(), name
 
 
 @pytest.mark.slow  # ~25 s: one CPU compilation of an attention layer with FlexAttention
