@@ -195,7 +195,8 @@ class AdamW:
                     found_inf=found_inf,
                 )
         # The kernel wrote the parameters through raw pointers, which autograd's version counters
-        # do not see; caches keyed on `param._version` (the FP8 weights) must.
+        # do not see; anything keyed on `param._version` (autograd's check that a tensor saved
+        # for backward was not changed in place) must.
         torch.autograd.graph.increment_version(self.params)
 
     def zero_grad(self) -> None:

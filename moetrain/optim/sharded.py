@@ -305,7 +305,8 @@ class ShardedAdamW:
     def _finish_gathers(self, gathers: list) -> None:
         """Wait for the parameter all-gathers, then bump every parameter's version counter: the
         gathers wrote through the buckets (each `.data` is a view the parameter does not share
-        its counter with), and caches keyed on `param._version` (the FP8 weights) must see it."""
+        its counter with), and anything keyed on `param._version` (autograd's check of tensors
+        saved for backward) must see it."""
         for work in gathers:
             if work is not None:
                 work.wait()
