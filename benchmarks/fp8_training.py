@@ -1,8 +1,8 @@
 """FP8 training on Hopper: moetrain's FP8 linears and expert GEMMs against torchao's and BF16, on
 the same shapes in the same job, then whole training steps.
 
-    python benchmarks/fp8_training.py [--parts kernels,products,steps] [--presets olmoe8,small]
-        [--steps 8] [--json OUT.json]
+    python benchmarks/fp8_training.py [--parts kernels,products,experts,steps]
+        [--presets olmoe8,small] [--steps 8] [--json OUT.json]
 
 1. kernels: compiled forward + backward of one product at olmoe8's shapes (16,384 tokens):
    the q/k/v projection (2048 -> 6144) and the output projection (2048 -> 2048) as BF16
@@ -13,8 +13,11 @@ the same shapes in the same job, then whole training steps.
    events) and the relative error of output, input and weight gradient against fp32.
    torchao is optional: without it its rows are skipped.
 2. products: the FP8 linear taken apart at the output projection's shape: each product on
-   pre-quantized operands against bf16, and each quantization alone.
-3. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16, with FP8
+   pre-quantized operands against bf16, and each quantization alone (CUDA-graph replays: a
+   single eager call timed with events also counts its launch gaps).
+3. experts: the FP8 expert GEMMs taken apart at each preset's shapes: per projection, each
+   quantization, each FP8 product, the whole ops, and the bf16 products they replace.
+4. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16, with FP8
    expert GEMMs, and with FP8 expert GEMMs and projections: median ms, peak GiB, graphed or not.
 
 Prediction (olmoe8, H200, from the FLOP split in the FP8 issue): the expert GEMMs' forward and
@@ -53,6 +56,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def timed(fn, reps: int = 20) -> float:
     return statistics.median(time_steps(fn, warmup=3, steps=reps, device=torch.device("cuda")))
+
+
+def graph_timed(fn, reps: int = 20) -> float:
+    """Median ms of `fn` replayed as a CUDA graph: its device time alone, as a graphed training
+    step runs it (a single eager call timed with events also counts its launch gaps, which for
+    short kernels can be most of the figure)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compiles, autotunes, allocates outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, reps)
 
 
 def fwd_bwd(fn, x, w, g):
@@ -171,6 +190,62 @@ def grouped_rows(rows_n: int, experts: int, d: int, f: int, reps: int) -> list[d
     return out
 
 
+def expert_pieces(x, w, g, offs) -> dict:
+    """The pieces of one expert projection y = x @ w (grouped by `offs`), gradient g: the bf16
+    products, each step of the FP8 path on operands quantized beforehand, and the whole FP8 ops."""
+    from moetrain.moe.fp8_gemm import (
+        _grouped_weight_grad,
+        fp8_grouped_mm,
+        fp8_grouped_mm_backward,
+        quantized_weight,
+        scaled_grouped_mm,
+    )
+    from moetrain.nn.fp8 import quantize_rows
+
+    qx, qwd = quantize_rows(x), quantized_weight(w, "D")
+    qg, qwf = quantize_rows(g), quantized_weight(w, "F")
+    bf16 = torch.bfloat16
+    return {
+        "bf16 forward": lambda: torch._grouped_mm(x, w, offs=offs),
+        "bf16 input grad": lambda: torch._grouped_mm(g, w.mT, offs=offs),
+        "bf16 weight grad": lambda: _grouped_weight_grad(x, g, offs),
+        "fp8 quantize rows (fwd)": lambda: quantize_rows(x),
+        "fp8 quantize weight (fwd)": lambda: quantized_weight(w, "D"),
+        "fp8 product (fwd)": lambda: scaled_grouped_mm(*qx, *qwd, offs, bf16, False),
+        "fp8 quantize rows (input grad)": lambda: quantize_rows(g),
+        "fp8 quantize weight (input grad)": lambda: quantized_weight(w, "F"),
+        "fp8 product (input grad)": lambda: scaled_grouped_mm(*qg, *qwf, offs, bf16, False),
+        "fp8 op forward": lambda: fp8_grouped_mm(x, w, offs, False, False),
+        "fp8 op backward (input and weight grads)": lambda: fp8_grouped_mm_backward(
+            g, x, w, offs, False, False
+        ),
+    }
+
+
+def expert_product_rows(preset: str, reps: int = 20) -> list[dict]:
+    """Where the FP8 expert GEMMs' time goes at a preset's shapes (T K rows in E equal groups):
+    the pieces (`expert_pieces`) of the up (D -> 2F) and down (F -> D) projections, timed as
+    CUDA-graph replays."""
+    config = get_preset(preset)
+    t, m, moe = config.train, config.model, config.moe
+    n, e, f = t.micro_batch_size * t.seq_len * moe.top_k, moe.num_experts, moe.expert_hidden
+    offs = torch.full((e,), n // e, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for name, d_in, d_out in (("up", m.d_model, 2 * f), ("down", f, m.d_model)):
+        x, g = (
+            torch.randn(n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+            for d in (d_in, d_out)
+        )
+        w = torch.randn(e, d_in, d_out, device="cuda", generator=gen, dtype=torch.bfloat16)
+        print(f"  {preset} expert {name} projection: {n} rows, {e} experts, {d_in} -> {d_out}")
+        for piece, fn in expert_pieces(x, w, g, offs).items():
+            ms = graph_timed(fn, reps)
+            rows.append({"preset": preset, "projection": name, "piece": piece, "ms": ms})
+            print(f"    {piece:<42} {ms:7.3f} ms", flush=True)
+    return rows
+
+
 def errors(got, want) -> dict:
     return {f"rel_{t}": rel(a, b) for t, a, b in zip(("y", "gx", "gw"), got, want, strict=True)}
 
@@ -218,7 +293,7 @@ def step_rows(presets: list[str], variants: list[str], steps: int) -> list[dict]
 def product_rows(tokens: int, k: int, n: int, reps: int = 20) -> list[dict]:
     """Where an FP8 linear's time goes: each of its three products alone on operands quantized
     beforehand, against the bf16 product, and each quantization alone (compiled, as a block
-    runs it). y = x w^T with x (tokens, k), w (n, k)."""
+    runs it); every piece timed as CUDA-graph replays. y = x w^T with x (tokens, k), w (n, k)."""
     from moetrain.kernels import quant
     from moetrain.nn.fp8 import scaled_mm
 
@@ -236,9 +311,11 @@ def product_rows(tokens: int, k: int, n: int, reps: int = 20) -> list[dict]:
     for name, (a, b) in operands.items():
         qa, qb = quantize(a.contiguous()), quantize(b.contiguous())
         flops = 2 * a.shape[0] * a.shape[1] * b.shape[0]
-        bf16_ms = timed(lambda a=a, b=b: a @ b.T, reps)
-        fp8_ms = timed(lambda qa=qa, qb=qb: scaled_mm(*qa, *qb, torch.bfloat16, False), reps)
-        quant_ms = timed(lambda a=a: quantize(a), reps) + timed(lambda b=b: quantize(b), reps)
+        bf16_ms = graph_timed(lambda a=a, b=b: a @ b.T, reps)
+        fp8_ms = graph_timed(lambda qa=qa, qb=qb: scaled_mm(*qa, *qb, torch.bfloat16, False), reps)
+        quant_ms = graph_timed(lambda a=a: quantize(a), reps) + graph_timed(
+            lambda b=b: quantize(b), reps
+        )
         rows.append(
             {
                 "product": name, "shape": [a.shape[0], b.shape[0], a.shape[1]],
@@ -281,6 +358,10 @@ def main() -> None:
     if "products" in parts:
         print("an FP8 linear's products and quantizations, olmoe8's output projection")
         results["products"] = product_rows(16384, 2048, 2048)
+        save(results, args.json)
+    if "experts" in parts:
+        print("the FP8 expert GEMMs taken apart, per preset (CUDA-graph replays)")
+        results["experts"] = [r for p in args.presets.split(",") for r in expert_product_rows(p)]
         save(results, args.json)
     if "steps" in parts:
         print("training steps (moetrain bench, mixed optimizer)")
