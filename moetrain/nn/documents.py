@@ -40,9 +40,9 @@ _DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, S
 
 @functools.cache
 def compiled_flex_attention():
-    """flex_attention under torch.compile: eager, it materializes the scores; compiled, it is one
-    fused Triton kernel each way. Inside a compiled block dynamo inlines it; elsewhere it compiles
-    flex alone."""
+    """flex_attention under torch.compile, for eager callers: eager, flex_attention materializes
+    the scores; compiled, it is one fused Triton kernel each way. Compiled blocks call
+    flex_attention directly (dynamo inlines it)."""
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -83,9 +83,9 @@ class DocumentMask:
         gqa = q_BNSH.shape[1] != k_BGSH.shape[1]
         if self.block_mask is not None:
             q_BNSH, k_BGSH, v_BGSH = (_own_rows(t) for t in (q_BNSH, k_BGSH, v_BGSH))
-            return compiled_flex_attention()(
-                q_BNSH, k_BGSH, v_BGSH, block_mask=self.block_mask, enable_gqa=gqa
-            )
+            # inside a compiled block dynamo inlines flex_attention itself; eager, it is compiled
+            flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+            return flex(q_BNSH, k_BGSH, v_BGSH, block_mask=self.block_mask, enable_gqa=gqa)
         with sdpa_kernel(_DENSE_BACKENDS):  # the math kernel too: no fused one takes every case
             return F.scaled_dot_product_attention(
                 q_BNSH, k_BGSH, v_BGSH, attn_mask=self.dense_mask(), enable_gqa=gqa
