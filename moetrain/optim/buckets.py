@@ -56,6 +56,9 @@ class Bucket:
     pieces: list[Piece]
     runs: list[tuple[int, int, int]]  # (lo, hi, param group index), merged adjacent pieces
     ready: set[int] = field(default_factory=set)
+    # accumulation mode: parameters with nothing in grads_flat yet this step (the first .grad is
+    # copied in, so the buffer needs no zeroing pass; what stays unwritten is zeroed at launch)
+    unwritten: set[int] = field(default_factory=set)
     launched: bool = False
     work: Any = None
 
@@ -199,4 +202,5 @@ def make_bucket(
         exp_avg_sq=torch.zeros(shard, dtype=torch.float32, device=device),
         pieces=pieces,
         runs=runs,
+        unwritten=set() if grad_dtype == dtype else set(range(len(params))),
     )

@@ -177,7 +177,7 @@ class ShardedAdamW:
     def _collect_grad(self, bucket: Bucket, index: int) -> None:
         """Bring a `.grad` that is not the bucket's view into the bucket. View mode: `.grad` is
         the gradient (None means zero), it replaces the bucket's copy. Accumulation mode: `.grad`
-        is this backward's increment and is added."""
+        is this backward's increment: copied in if it is the step's first, else added."""
         param, view = bucket.params[index], bucket.grad_view(index)
         grad = param.grad
         if bucket.grad_is_view:
@@ -187,12 +187,16 @@ class ShardedAdamW:
                 view.copy_(grad)
             param.grad = view
         elif grad is not None:
-            accumulate_(view, grad, first=False)
+            accumulate_(view, grad, first=index in bucket.unwritten)
+            bucket.unwritten.discard(index)
             param.grad = None
 
     def _launch_reduce(self, bucket: Bucket) -> None:
         for index in range(len(bucket.params)):
             self._collect_grad(bucket, index)
+        for index in bucket.unwritten:  # accumulation mode, no gradient this step: zero
+            bucket.grad_view(index).zero_()
+        bucket.unwritten.clear()
         if bucket.group is not None:
             bucket.work = reduce_scatter_flat(
                 bucket.grad_shard, bucket.grads_flat, group=bucket.group, async_op=True
@@ -323,10 +327,15 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero every gradient (in the buckets; `.grad` stays a view of them in view mode)."""
+        """Zero every gradient: in view mode the buckets (`.grad` stays a view of them); in
+        accumulation mode every parameter is marked unwritten, so the step's first backward
+        copies in instead of adding (no zeroing pass over the fp32 buffers)."""
         self._wait_reduces()  # nothing may still be reading the buffers
         for bucket in self.buckets:
-            bucket.grads_flat.zero_()
+            if bucket.grad_is_view:
+                bucket.grads_flat.zero_()
+            else:
+                bucket.unwritten = set(range(len(bucket.params)))
             for index, param in enumerate(bucket.params):
                 param.grad = bucket.grad_view(index) if bucket.grad_is_view else None
         self._reset_sync()

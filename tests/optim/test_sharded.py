@@ -586,6 +586,40 @@ def test_bf16_params_with_fp32_master_and_fp32_gradient_accumulation():
         assert torch.equal(p, state[f"{name}.master"].to(torch.bfloat16)), name
 
 
+def test_fp32_buckets_hold_this_steps_gradients_only():
+    """Accumulation mode copies a step's first micro-batch gradient in (no zeroing pass): the
+    bucket holds exactly the fp32 sum of this step's bf16 micro-batch gradients, bitwise, and a
+    parameter unused this step holds zero, not the previous step's gradient."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 4).to(torch.bfloat16), nn.Linear(8, 4).to(torch.bfloat16)
+    model = nn.ModuleDict({"a": a, "b": b})
+    optimizer = ShardedAdamW(
+        _plain_groups(model), dense_group=None, expert_group=None, lr=1e-2,
+        grad_dtype=torch.float32,
+    )  # fmt: skip
+    for step, branches in enumerate([("a", "b"), ("a",), ("a", "b")]):
+        xs = [torch.randn(6, 8, dtype=torch.bfloat16) for _ in range(3)]
+        expected = {
+            name: torch.zeros_like(p, dtype=torch.float32) for name, p in model.named_parameters()
+        }
+        for i, x in enumerate(xs):
+            with optimizer.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
+                sum(model[n](x).float().square().sum() for n in branches).backward()
+            for name, p in model.named_parameters():
+                grads = torch.autograd.grad(
+                    sum(model[n](x).float().square().sum() for n in branches),
+                    [p], allow_unused=True,
+                )  # fmt: skip
+                if grads[0] is not None:
+                    expected[name] += grads[0].float()
+        optimizer.finish_grad_sync()
+        for bucket in optimizer.buckets:
+            for index, name in enumerate(bucket.names):
+                assert torch.equal(bucket.grad_view(index), expected[name]), (step, name)
+        optimizer.step(1e-2)
+        optimizer.zero_grad()
+
+
 def test_load_state_dict_rejects_wrong_global_shape():
     model = nn.Linear(4, 4)
     optimizer = ShardedAdamW(_plain_groups(model), dense_group=None, expert_group=None, lr=1e-3)
