@@ -605,13 +605,12 @@ def test_fp32_buckets_hold_this_steps_gradients_only():
         for i, x in enumerate(xs):
             with optimizer.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
                 sum(model[n](x).float().square().sum() for n in branches).backward()
-            for name, p in model.named_parameters():
-                grads = torch.autograd.grad(
-                    sum(model[n](x).float().square().sum() for n in branches),
-                    [p], allow_unused=True,
-                )  # fmt: skip
-                if grads[0] is not None:
-                    expected[name] += grads[0].float()
+            named = list(model.named_parameters())
+            loss = sum(model[n](x).float().square().sum() for n in branches)
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+            for (name, _), grad in zip(named, grads, strict=True):
+                if grad is not None:
+                    expected[name] += grad.float()
         optimizer.finish_grad_sync()
         for bucket in optimizer.buckets:
             for index, name in enumerate(bucket.names):
