@@ -30,6 +30,7 @@ more if the FP8 GEMMs' lower energy per FLOP lifts the capped clock.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -46,6 +47,7 @@ from moetrain.presets import get_preset
 VARIANTS = {
     "bf16": [],
     "fp8 experts": ["precision.experts=fp8_rowwise"],
+    "fp8 experts fast accum": ["precision.experts=fp8_rowwise"],
     "fp8 experts+linear": ["precision.experts=fp8_rowwise", "precision.linear=fp8_rowwise"],
 }
 
@@ -205,16 +207,37 @@ def expert_pieces(x, w, g, offs) -> dict:
     qx, qwd = quantize_rows(x), quantized_weight(w, "D")
     qg, qwf = quantize_rows(g), quantized_weight(w, "F")
     bf16 = torch.bfloat16
+    # The weight gradient's FP8 product (2-D x 2-D, jagged K = rows): x^T and g^T row-major, one
+    # scale per (group, column); the groups here are equal multiples of 16, as the kernel needs.
+    e = w.shape[0]
+    xt_q, gt_q = qx[0].T.contiguous(), qg[0].T.contiguous()
+    xt_s = torch.ones(e * x.shape[1], device=x.device)
+    gt_s = torch.ones(e * g.shape[1], device=x.device)
+
+    def wgrad(fast: bool) -> torch.Tensor:
+        return torch._scaled_grouped_mm(
+            xt_q, gt_q.T, xt_s, gt_s, offs=offs, out_dtype=bf16, use_fast_accum=fast
+        )
+
     return {
         "bf16 forward": lambda: torch._grouped_mm(x, w, offs=offs),
         "bf16 input grad": lambda: torch._grouped_mm(g, w.mT, offs=offs),
         "bf16 weight grad": lambda: _grouped_weight_grad(x, g, offs),
         "fp8 quantize rows (fwd)": lambda: quantize_rows(x),
         "fp8 quantize weight (fwd)": lambda: quantized_weight(w, "D"),
+        "fp8 quantize weight (fwd), bf16 copy first": lambda: quantize_rows(w.mT.contiguous()),
         "fp8 product (fwd)": lambda: scaled_grouped_mm(*qx, *qwd, offs, bf16, False),
+        "fp8 product fast accum (fwd)": lambda: scaled_grouped_mm(
+            *qx, *qwd, offs, bf16, False, True
+        ),
         "fp8 quantize rows (input grad)": lambda: quantize_rows(g),
         "fp8 quantize weight (input grad)": lambda: quantized_weight(w, "F"),
         "fp8 product (input grad)": lambda: scaled_grouped_mm(*qg, *qwf, offs, bf16, False),
+        "fp8 product fast accum (input grad)": lambda: scaled_grouped_mm(
+            *qg, *qwf, offs, bf16, False, True
+        ),
+        "fp8 product (weight grad)": lambda: wgrad(False),
+        "fp8 product fast accum (weight grad)": lambda: wgrad(True),
         "fp8 op forward": lambda: fp8_grouped_mm(x, w, offs, False, False),
         "fp8 op backward (input and weight grads)": lambda: fp8_grouped_mm_backward(
             g, x, w, offs, False, False
@@ -242,8 +265,32 @@ def expert_product_rows(preset: str, reps: int = 20) -> list[dict]:
         for piece, fn in expert_pieces(x, w, g, offs).items():
             ms = graph_timed(fn, reps)
             rows.append({"preset": preset, "projection": name, "piece": piece, "ms": ms})
-            print(f"    {piece:<42} {ms:7.3f} ms", flush=True)
+            print(f"    {piece:<46} {ms:7.3f} ms", flush=True)
+        errs = accumulation_errors(x, w, offs)
+        rows.append({"preset": preset, "projection": name, "piece": "accumulation", **errs})
+        print(
+            "    forward error against fp32 math on the same FP8 operands: "
+            + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()),
+            flush=True,
+        )
     return rows
+
+
+def accumulation_errors(x, w, offs) -> dict:
+    """Relative error of the FP8 forward product, precise and fast accumulation, against fp32
+    math on the same dequantized operands: what the accumulation alone adds."""
+    from moetrain.kernels import quant
+    from moetrain.moe.fp8_gemm import quantized_weight, scaled_grouped_mm
+    from moetrain.nn.fp8 import quantize_rows
+
+    qx, qw = quantize_rows(x), quantized_weight(w, "D")
+    x32 = quant.dequantize_fp8_rowwise(*qx)
+    w32 = quant.dequantize_fp8_rowwise(*qw).mT
+    want = torch._grouped_mm(x32, w32, offs=offs)
+    return {
+        f"{mode} accum": rel(scaled_grouped_mm(*qx, *qw, offs, torch.bfloat16, False, fast), want)
+        for mode, fast in (("precise", False), ("fast", True))
+    } | {"bf16 output rounding": rel(want.bfloat16(), want)}
 
 
 def errors(got, want) -> dict:
@@ -272,12 +319,31 @@ def time_variant(config, steps: int) -> dict:
     return {"ms": ms, "peak_gib": peak, "graphed": graphed, "loss": loss, "times": times}
 
 
+@contextlib.contextmanager
+def expert_accumulation(fast: bool):
+    """Builds FP8 expert GEMMs with fast accumulation (an experiment: the trainer has no switch)."""
+    from moetrain.train import build
+
+    make = build.make_grouped_gemm
+    if fast:
+        build.make_grouped_gemm = lambda recipe, device: (
+            FP8RowwiseGroupedGemm(device, use_fast_accum=True)
+            if recipe == "fp8_rowwise"
+            else make(recipe, device)
+        )
+    try:
+        yield
+    finally:
+        build.make_grouped_gemm = make
+
+
 def step_rows(presets: list[str], variants: list[str], steps: int) -> list[dict]:
     rows = []
     for preset in presets:
         for variant in variants:
             config = get_preset(preset).with_overrides(VARIANTS[variant])
-            row = {"preset": preset, "variant": variant, **time_variant(config, steps)}
+            with expert_accumulation(fast="fast accum" in variant):
+                row = {"preset": preset, "variant": variant, **time_variant(config, steps)}
             gc.collect()  # the trainer and its step graph's memory pool, before the next one
             torch.cuda.empty_cache()
             rows.append(row)

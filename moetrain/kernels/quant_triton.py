@@ -171,7 +171,10 @@ def _column_cast_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFTWARE_CAST: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
+    """Scale and cast a (B, M, N) tensor by its per-column amax; q is (B, M, N), or (B, N, M)
+    when TRANSPOSED (the tile is stored transposed: no copy of x in that layout)."""
     batch = tl.program_id(0)
     pid_m = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -180,9 +183,14 @@ def _column_cast_kernel(
     inv, scale = _scales_from_amax(amax_bits.to(tl.float32, bitcast=True))
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = (rows < M)[:, None] & col_mask[None, :]
-    offsets = batch.to(tl.int64) * M * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    base = batch.to(tl.int64) * M * N
+    offsets = base + rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    _store_e4m3(q_ptr, offsets, x * inv[None, :], mask, SOFTWARE_CAST)
+    if TRANSPOSED:
+        q_offsets = base + cols.to(tl.int64)[None, :] * M + rows[:, None]
+    else:
+        q_offsets = offsets
+    _store_e4m3(q_ptr, q_offsets, x * inv[None, :], mask, SOFTWARE_CAST)
     # One row block writes the scales. A branch, not `mask=col_mask & (pid_m == 0)`: Triton
     # 3.9's interpreter types that mask as an integer and refuses it.
     if pid_m == 0:
@@ -241,20 +249,29 @@ def _q_arg(q: torch.Tensor, software_cast: bool) -> torch.Tensor:
 
 
 def quantize_fp8_rowwise_triton(
-    x: torch.Tensor, dim: int = -1, *, software_cast: bool | None = None
+    x: torch.Tensor,
+    dim: int = -1,
+    *,
+    transposed: bool = False,
+    software_cast: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `quant.quantize_fp8_rowwise`: same outputs, bit for bit, for any `dim`.
 
     The last dim runs one fused kernel; any other dim (dim=0 of a matrix, dim=-2 of a (e, K, N)
     weight for per-column scales) runs a split amax and a cast kernel. Non-contiguous inputs are
-    copied to contiguous first.
+    copied to contiguous first. `transposed=True` (dim must be -2) writes q in the layout of
+    `x.mT`, contiguous: the result equals `quantize_fp8_rowwise(x.mT, dim=-1)` without the bf16
+    transposed copy that would take.
     """
     _check_device(x)
     if software_cast is None:
         software_cast = _default_software_cast(x)
     dim = dim % x.dim()
+    if transposed and (x.dim() < 2 or dim != x.dim() - 2):
+        raise ValueError(f"transposed quantization scales along dim -2, got dim {dim} of {x.dim()}")
     x = x.contiguous()
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    q_shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else x.shape
+    q = torch.empty(q_shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale_shape = x.shape[:dim] + x.shape[dim + 1 :]
     scale = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
     if x.numel() == 0:
@@ -282,10 +299,12 @@ def quantize_fp8_rowwise_triton(
     _column_amax_kernel[grid](
         x, amax_bits, m, n, ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n
     )
+    if transposed:  # square tiles: 64-byte runs of q along M, 128-byte runs of x along N
+        block_m, block_n = min(64, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n))
     grid = (b, triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _column_cast_kernel[grid](
         x, _q_arg(q, software_cast), scale, amax_bits, m, n,
-        BLOCK_M=block_m, BLOCK_N=block_n, SOFTWARE_CAST=software_cast,
+        BLOCK_M=block_m, BLOCK_N=block_n, SOFTWARE_CAST=software_cast, TRANSPOSED=transposed,
     )  # fmt: skip
     return q, scale
 

@@ -38,7 +38,7 @@ import torch
 
 from moetrain.kernels import quant
 from moetrain.moe.experts import _GROUPED_MM_DTYPES, grouped_mm
-from moetrain.nn.fp8 import fp8_unsupported_reason, quantize_rows
+from moetrain.nn.fp8 import fp8_unsupported_reason, quantize_rows, quantize_rows_of_transpose
 
 
 class GroupedGemm(Protocol):
@@ -162,7 +162,7 @@ def quantized_weight(w_eDF: torch.Tensor, reduction: str) -> tuple[torch.Tensor,
     """(q_eNK contiguous, scale_eN) with K the reduction dim: "D" for the forward, "F" for the
     input gradient. `q.mT` is the column-major operand `torch._scaled_grouped_mm` wants."""
     if reduction == "D":
-        return quantize_rows(w_eDF.mT, dim=-1)  # (e, F, D), one scale per output column
+        return quantize_rows_of_transpose(w_eDF)  # (e, F, D), one scale per output column
     return quantize_rows(w_eDF, dim=-1)  # (e, D, F), one scale per row of w
 
 

@@ -52,6 +52,17 @@ def quantize_rows(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
     return quant.quantize_fp8_rowwise(x, dim=dim)
 
 
+def quantize_rows_of_transpose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(x.mT)`: q in x.mT's shape, contiguous, one scale per row of x.mT (per column
+    of x). Eager on a CUDA GPU one Triton pass writes q transposed, with no bf16 copy of x.mT."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        from moetrain.kernels import quant_triton
+
+        if quant_triton.triton_available():
+            return quant_triton.quantize_fp8_rowwise_triton(x, dim=-2, transposed=True)
+    return quant.quantize_fp8_rowwise(x.mT, dim=-1)
+
+
 def scaled_mm(
     a_q_MK: torch.Tensor,
     a_scale_M: torch.Tensor,

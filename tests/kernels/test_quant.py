@@ -222,6 +222,21 @@ def test_triton_rowwise_matches_reference_interpreted(interpreter, shape, dim, d
 
 
 @interpreted
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((3, 64, 48), torch.bfloat16), ((70, 33), torch.float32), ((2, 5, 130), torch.float32)],
+)
+def test_triton_transposed_matches_reference_interpreted(interpreter, shape, dtype):
+    """q written in x.mT's layout equals the reference run on the transposed copy."""
+    x = with_edge_values(random_input(shape, dtype, seed=7))
+    q_ref, s_ref = quantize_fp8_rowwise(x.mT, -1)
+    q, s = interpreter.quantize_fp8_rowwise_triton(x, -2, transposed=True)
+    assert q.is_contiguous() and q.shape == x.mT.shape
+    assert_same_bits(q, q_ref)
+    assert_same_bits(s, s_ref)
+
+
+@interpreted
 def test_triton_e4m3_rounding_every_tie_interpreted(interpreter):
     """Every e4m3 value, every midpoint between neighbours (ties), and one fp32 ulp either side,
     in rows whose amax is 448 so that the scale is exactly 1 and q is the plain conversion."""
@@ -289,6 +304,28 @@ def test_triton_rowwise_matches_reference_cuda(shape, dim, dtype, software_cast)
     assert_same_bits(q_ref, q_cpu)  # the reference itself agrees across devices
     assert_same_bits(s_ref, s_cpu)
     q, s = quantize_fp8_rowwise_triton(x, dim, software_cast=software_cast)
+    assert_same_bits(q, q_ref)
+    assert_same_bits(s, s_ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("software_cast", [False, True])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((64, 1024, 1024), torch.bfloat16),
+        ((8, 512, 1000), torch.bfloat16),
+        ((300, 70), torch.float32),
+    ],
+)
+def test_triton_transposed_matches_reference_cuda(shape, dtype, software_cast):
+    from moetrain.kernels.quant_triton import quantize_fp8_rowwise_triton
+
+    x = with_edge_values(random_input(shape, dtype, seed=8, device="cuda"))
+    q_ref, s_ref = quantize_fp8_rowwise(x.mT, -1)
+    q, s = quantize_fp8_rowwise_triton(x, -2, transposed=True, software_cast=software_cast)
+    assert q.is_contiguous() and q.shape == x.mT.shape
     assert_same_bits(q, q_ref)
     assert_same_bits(s, s_ref)
 
