@@ -44,11 +44,13 @@ from moetrain.moe.fp8_gemm import FP8RowwiseGroupedGemm
 from moetrain.nn.fp8 import fp8_linear
 from moetrain.presets import get_preset
 
-VARIANTS = {
-    "bf16": [],
-    "fp8 experts": ["precision.experts=fp8_rowwise"],
-    "fp8 experts fast accum": ["precision.experts=fp8_rowwise"],
-    "fp8 experts+linear": ["precision.experts=fp8_rowwise", "precision.linear=fp8_rowwise"],
+FP8_EXPERTS = ["precision.experts=fp8_rowwise"]
+VARIANTS = {  # name: (config overrides, FP8RowwiseGroupedGemm arguments other than the defaults)
+    "bf16": ([], {}),
+    "fp8 experts": (FP8_EXPERTS, {}),
+    "fp8 experts unfused": (FP8_EXPERTS, {"fuse_swiglu": False}),
+    "fp8 experts precise accum": (FP8_EXPERTS, {"use_fast_accum": False}),
+    "fp8 experts+linear": ([*FP8_EXPERTS, "precision.linear=fp8_rowwise"], {}),
 }
 
 
@@ -238,10 +240,35 @@ def expert_pieces(x, w, g, offs) -> dict:
         ),
         "fp8 product (weight grad)": lambda: wgrad(False),
         "fp8 product fast accum (weight grad)": lambda: wgrad(True),
-        "fp8 op forward": lambda: fp8_grouped_mm(x, w, offs, False, False),
+        "fp8 op forward": lambda: fp8_grouped_mm(x, w, offs, False, True),
         "fp8 op backward (input and weight grads)": lambda: fp8_grouped_mm_backward(
-            g, x, w, offs, False, False
+            g, x, w, offs, False, True
         ),
+    }
+
+
+def swiglu_pieces(n: int, f: int, gen) -> dict:
+    """The SwiGLU between the projections with its FP8 quantization apart and fused."""
+    from moetrain.kernels.swiglu import swiglu_fp8, swiglu_fp8_backward
+    from moetrain.kernels.swiglu_triton import swiglu_triton
+    from moetrain.nn.fp8 import quantize_rows
+
+    h = torch.randn(n, 2 * f, device="cuda", generator=gen, dtype=torch.bfloat16)
+    g = torch.randn(n, f, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.rand(n, device="cuda", generator=gen)
+    a = swiglu_triton(h, w)
+    dh = torch.ops.moetrain.swiglu_backward(h, g, w)[0]
+    return {
+        "swiglu forward": lambda: swiglu_triton(h, w),
+        "swiglu forward, then quantize": lambda: quantize_rows(swiglu_triton(h, w)),
+        "quantize its output alone": lambda: quantize_rows(a),
+        "swiglu forward, quantization fused": lambda: swiglu_fp8(h, w),
+        "swiglu backward": lambda: torch.ops.moetrain.swiglu_backward(h, g, w),
+        "swiglu backward, then quantize": lambda: quantize_rows(
+            torch.ops.moetrain.swiglu_backward(h, g, w)[0]
+        ),
+        "quantize dh alone": lambda: quantize_rows(dh),
+        "swiglu backward, quantization fused": lambda: swiglu_fp8_backward(h, g, w),
     }
 
 
@@ -273,6 +300,11 @@ def expert_product_rows(preset: str, reps: int = 20) -> list[dict]:
             + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()),
             flush=True,
         )
+    print(f"  {preset} SwiGLU: {n} rows, hidden {f}")
+    for piece, fn in swiglu_pieces(n, f, gen).items():
+        ms = graph_timed(fn, reps)
+        rows.append({"preset": preset, "projection": "swiglu", "piece": piece, "ms": ms})
+        print(f"    {piece:<46} {ms:7.3f} ms", flush=True)
     return rows
 
 
@@ -320,14 +352,14 @@ def time_variant(config, steps: int) -> dict:
 
 
 @contextlib.contextmanager
-def expert_accumulation(fast: bool):
-    """Builds FP8 expert GEMMs with fast accumulation (an experiment: the trainer has no switch)."""
+def expert_gemm(**gemm_args):
+    """Builds the FP8 expert GEMMs with these arguments (levers the trainer has no switch for)."""
     from moetrain.train import build
 
     make = build.make_grouped_gemm
-    if fast:
+    if gemm_args:
         build.make_grouped_gemm = lambda recipe, device: (
-            FP8RowwiseGroupedGemm(device, use_fast_accum=True)
+            FP8RowwiseGroupedGemm(device, **gemm_args)
             if recipe == "fp8_rowwise"
             else make(recipe, device)
         )
@@ -341,8 +373,9 @@ def step_rows(presets: list[str], variants: list[str], steps: int) -> list[dict]
     rows = []
     for preset in presets:
         for variant in variants:
-            config = get_preset(preset).with_overrides(VARIANTS[variant])
-            with expert_accumulation(fast="fast accum" in variant):
+            overrides, gemm_args = VARIANTS[variant]
+            config = get_preset(preset).with_overrides(overrides)
+            with expert_gemm(**gemm_args):
                 row = {"preset": preset, "variant": variant, **time_variant(config, steps)}
             gc.collect()  # the trainer and its step graph's memory pool, before the next one
             torch.cuda.empty_cache()

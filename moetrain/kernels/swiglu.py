@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetrain.kernels import swiglu_triton
+from moetrain.kernels import quant, swiglu_triton
 
 
 def _halves(h_N2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,3 +89,41 @@ def swiglu(h_N2F: torch.Tensor, w_N: torch.Tensor | None = None) -> torch.Tensor
             w_N = w_N.float()
         return swiglu_triton.swiglu_triton(h_N2F, w_N)
     return _SwiGLUReference.apply(h_N2F, w_N)
+
+
+def swiglu_fp8(
+    h_N2F: torch.Tensor, w_N: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, q, scale): `swiglu(h, w)` in h's dtype and the same rows in row-scaled FP8, equal to
+    `quant.quantize_fp8_rowwise(out)`. One Triton pass on a CUDA GPU (rows up to
+    `swiglu_triton.MAX_QUANTIZED_F` wide), the references elsewhere. Not differentiable."""
+    _check(h_N2F, w_N)
+    if _fused_fp8(h_N2F):
+        return swiglu_triton.swiglu_fp8_triton(h_N2F, None if w_N is None else w_N.float())
+    out_NF = swiglu_reference(h_N2F, w_N)
+    return out_NF, *quant.quantize_fp8_rowwise(out_NF)
+
+
+def swiglu_fp8_backward(
+    h_N2F: torch.Tensor, grad_NF: torch.Tensor, w_N: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dh, q, scale, dw): the SwiGLU backward (`weighted_swiglu_backward_reference`) and dh's
+    rows in row-scaled FP8, equal to `quant.quantize_fp8_rowwise(dh)`; dw is None without row
+    weights. One Triton pass on a CUDA GPU, the references elsewhere. Not differentiable."""
+    _check(h_N2F, w_N)
+    if _fused_fp8(h_N2F):
+        w32_N = None if w_N is None else w_N.float()
+        dh_N2F, q_N2F, scale_N, dw_N = swiglu_triton.swiglu_fp8_backward_triton(
+            h_N2F, grad_NF, w32_N
+        )
+        return dh_N2F, q_N2F, scale_N, None if dw_N is None else dw_N.to(w_N.dtype)
+    dh_N2F, dw_N = weighted_swiglu_backward_reference(h_N2F, grad_NF, w_N)
+    return dh_N2F, *quant.quantize_fp8_rowwise(dh_N2F), dw_N
+
+
+def _fused_fp8(h_N2F: torch.Tensor) -> bool:
+    return (
+        h_N2F.is_cuda
+        and swiglu_triton.supports(h_N2F)
+        and h_N2F.shape[1] // 2 <= swiglu_triton.MAX_QUANTIZED_F
+    )

@@ -30,22 +30,26 @@ from __future__ import annotations
 
 import torch
 
+from moetrain.kernels.quant_triton import _finite_abs, _scales_from_amax, _store_e4m3
 from moetrain.kernels.triton_support import interpreting as _interpreting
 from moetrain.kernels.triton_support import jit as _jit
 from moetrain.kernels.triton_support import tl, triton
 from moetrain.kernels.triton_support import triton_available as triton_available
 
 MAX_BLOCK_F = 512  # widest column block of one program; wider rows take several programs
+MAX_QUANTIZED_F = 4096  # widest row the fused FP8 quantization takes (one tile a row)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @_jit
 def _swiglu_forward_kernel(
-    h_ptr, w_ptr, out_ptr, N, F, stride_h,
+    h_ptr, w_ptr, out_ptr, q_ptr, scale_ptr, N, F, stride_h,
     HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
-    EVEN_F: tl.constexpr,
+    EVEN_F: tl.constexpr, QUANTIZE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
 ):  # fmt: skip
-    """out[n, j] = silu(h[n, j]) * h[n, F + j] (times w[n] with weights) on one tile."""
+    """out[n, j] = silu(h[n, j]) * h[n, F + j] (times w[n] with weights) on one tile. QUANTIZE
+    (the tile then spans whole rows) also writes the rows of out, as rounded, in row-scaled FP8:
+    q and one fp32 scale a row, the bits `quant.quantize_fp8_rowwise(out)` gives."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
@@ -56,19 +60,26 @@ def _swiglu_forward_kernel(
     if HAS_WEIGHTS:
         out = out * tl.load(w_ptr + rows, mask=rows < N, other=0.0)[:, None]
     out_offsets = rows[:, None] * F + cols[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + out_offsets, out, mask=mask)
+    if QUANTIZE:  # masked columns hold silu(0) * 0 = 0: they leave amax alone
+        out = out.to(tl.float32)
+        inv, scale = _scales_from_amax(tl.max(_finite_abs(out), axis=1))
+        _store_e4m3(q_ptr, out_offsets, out * inv[:, None], mask, SOFTWARE_CAST)
+        tl.store(scale_ptr + rows, scale, mask=rows < N)
 
 
 @_jit
 def _swiglu_backward_kernel(
-    h_ptr, grad_ptr, w_ptr, dh_ptr, dw_ptr, N, F, stride_h, stride_grad,
+    h_ptr, grad_ptr, w_ptr, dh_ptr, dw_ptr, q_ptr, scale_ptr, N, F, stride_h, stride_grad,
     HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
-    EVEN_F: tl.constexpr,
+    EVEN_F: tl.constexpr, QUANTIZE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
 ):  # fmt: skip
     """dh[n, j] = dgate, dh[n, F + j] = dup of (gate, up, grad) at (n, j), on one tile. With
     weights the incoming grad is scaled by w[n] first, and the tile's part of dw[n] = sum_j
     grad[n, j] * silu(gate) * up lands in dw[n, program_id(1)] (fp32; the op sums the column
-    blocks)."""
+    blocks). QUANTIZE (whole rows a tile) also writes the (N, 2F) rows of dh, as rounded, in
+    row-scaled FP8 (q, one scale a row over both halves)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
@@ -83,9 +94,19 @@ def _swiglu_backward_kernel(
         grad_w = grad * tl.load(w_ptr + rows, mask=rows < N, other=0.0)[:, None]
     dgate = grad_w * up * s * (1.0 + gate * (1.0 - s))
     dup = grad_w * gate * s
-    dgate_ptr = dh_ptr + rows[:, None] * (2 * F) + cols[None, :]
-    tl.store(dgate_ptr, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dgate_ptr + F, dup.to(dh_ptr.dtype.element_ty), mask=mask)
+    dh_offsets = rows[:, None] * (2 * F) + cols[None, :]
+    dgate = dgate.to(dh_ptr.dtype.element_ty)
+    dup = dup.to(dh_ptr.dtype.element_ty)
+    tl.store(dh_ptr + dh_offsets, dgate, mask=mask)
+    tl.store(dh_ptr + dh_offsets + F, dup, mask=mask)
+    if QUANTIZE:  # masked columns are 0 (gate, up and grad load as 0)
+        dgate = dgate.to(tl.float32)
+        dup = dup.to(tl.float32)
+        amax = tl.maximum(tl.max(_finite_abs(dgate), axis=1), tl.max(_finite_abs(dup), axis=1))
+        inv, scale = _scales_from_amax(amax)
+        _store_e4m3(q_ptr, dh_offsets, dgate * inv[:, None], mask, SOFTWARE_CAST)
+        _store_e4m3(q_ptr, dh_offsets + F, dup * inv[:, None], mask, SOFTWARE_CAST)
+        tl.store(scale_ptr + rows, scale, mask=rows < N)
     if HAS_WEIGHTS:  # after the stores: the row sum's barrier then holds no store back
         dot = tl.sum(grad * gate * s * up, axis=1)
         tl.store(dw_ptr + rows * tl.num_programs(1) + tl.program_id(1), dot, mask=rows < N)
@@ -103,29 +124,58 @@ def _grid(N: int, F: int, cfg: dict) -> tuple[int, int]:
     return triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(F, cfg["BLOCK_F"])
 
 
-def launch_forward(h_N2F, out_NF, w_N=None, config=None, wrap=None):
-    """out_NF = silu(gate) * up (times w_N[n] per row when given). `wrap` is `wrap_triton`
-    inside an op; the benchmark's sweep launches raw kernels."""
+def quantizing_config(F: int) -> dict:
+    """Whole rows a tile (fused FP8 quantization needs each row's amax): up to
+    `MAX_QUANTIZED_F` columns, rows to fill 4096 elements, eight warps from 2048 columns on."""
+    if F > MAX_QUANTIZED_F:
+        raise ValueError(f"fused FP8 quantization takes rows of at most {MAX_QUANTIZED_F}, got {F}")
+    block_f = triton.next_power_of_2(max(F, 1))
+    return dict(
+        BLOCK_N=max(1, min(64, 4096 // block_f)), BLOCK_F=block_f, EVEN_F=F == block_f,
+        num_warps=8 if block_f >= 2048 else 4,
+    )  # fmt: skip
+
+
+def _quantized_outputs(q, scale):
+    """(kernel flags, q pointer, scale pointer) for an optional (q, scale) pair."""
+    if q is None:
+        return dict(QUANTIZE=False, SOFTWARE_CAST=False), None, None
+    from moetrain.kernels.quant_triton import _default_software_cast, _q_arg
+
+    software_cast = _default_software_cast(q)
+    return dict(QUANTIZE=True, SOFTWARE_CAST=software_cast), _q_arg(q, software_cast), scale
+
+
+def launch_forward(h_N2F, out_NF, w_N=None, config=None, wrap=None, q_NF=None, scale_N=None):
+    """out_NF = silu(gate) * up (times w_N[n] per row when given); with q_NF and scale_N also
+    out's rows in row-scaled FP8 (the config must then be `quantizing_config`). `wrap` is
+    `wrap_triton` inside an op; the benchmark's sweep launches raw kernels."""
     N, F = out_NF.shape
-    cfg = config or launch_config(F)
+    flags, q, scale = _quantized_outputs(q_NF, scale_N)
+    cfg = config or (quantizing_config(F) if flags["QUANTIZE"] else launch_config(F))
     kernel = wrap(_swiglu_forward_kernel) if wrap else _swiglu_forward_kernel
-    w = out_NF if w_N is None else w_N  # a dummy pointer when unused
+    w = out_NF if w_N is None else w_N  # dummy pointers when unused
     kernel[_grid(N, F, cfg)](
-        h_N2F, w, out_NF, N, F, h_N2F.stride(0), HAS_WEIGHTS=w_N is not None, **cfg
-    )
+        h_N2F, w, out_NF, out_NF if q is None else q, out_NF if scale is None else scale,
+        N, F, h_N2F.stride(0), HAS_WEIGHTS=w_N is not None, **flags, **cfg,
+    )  # fmt: skip
 
 
-def launch_backward(h_N2F, grad_NF, dh_N2F, w_N=None, dw_NB=None, config=None, wrap=None):
+def launch_backward(
+    h_N2F, grad_NF, dh_N2F, w_N=None, dw_NB=None, config=None, wrap=None, q_N2F=None, scale_N=None
+):
     """dh_N2F = [dgate | dup] of swiglu at h_N2F for the incoming grad_NF; with row weights
     w_N, dw_NB[n, b] is column block b's part of the weight's gradient (B = the grid's column
-    blocks, `num_column_blocks`)."""
+    blocks, `num_column_blocks`); with q_N2F and scale_N also dh's rows in row-scaled FP8."""
     N, F = grad_NF.shape
-    cfg = config or launch_config(F)
+    flags, q, scale = _quantized_outputs(q_N2F, scale_N)
+    cfg = config or (quantizing_config(F) if flags["QUANTIZE"] else launch_config(F))
     kernel = wrap(_swiglu_backward_kernel) if wrap else _swiglu_backward_kernel
     w, dw = (dh_N2F, dh_N2F) if w_N is None else (w_N, dw_NB)  # dummy pointers when unused
     kernel[_grid(N, F, cfg)](
-        h_N2F, grad_NF, w, dh_N2F, dw, N, F, h_N2F.stride(0), grad_NF.stride(0),
-        HAS_WEIGHTS=w_N is not None, **cfg,
+        h_N2F, grad_NF, w, dh_N2F, dw, dh_N2F if q is None else q,
+        dh_N2F if scale is None else scale, N, F, h_N2F.stride(0), grad_NF.stride(0),
+        HAS_WEIGHTS=w_N is not None, **flags, **cfg,
     )  # fmt: skip
 
 
@@ -200,6 +250,39 @@ def _register_ops() -> None:
 
 if triton is not None:
     _register_ops()
+
+
+def swiglu_fp8_triton(
+    h_N2F: torch.Tensor, w_N: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, q, scale): `swiglu` and its rows in row-scaled FP8, one pass. Not differentiable
+    (the FP8 experts' op calls it from its own forward)."""
+    h_N2F = _rows("swiglu_fp8", h_N2F)
+    N, F = h_N2F.shape[0], h_N2F.shape[1] // 2
+    w_N = _row_weights("swiglu_fp8", w_N, N)
+    out_NF = h_N2F.new_empty((N, F))
+    q_NF = torch.empty((N, F), dtype=torch.float8_e4m3fn, device=h_N2F.device)
+    scale_N = torch.empty((N,), dtype=torch.float32, device=h_N2F.device)
+    if out_NF.numel():
+        launch_forward(h_N2F, out_NF, w_N, q_NF=q_NF, scale_N=scale_N)
+    return out_NF, q_NF, scale_N
+
+
+def swiglu_fp8_backward_triton(
+    h_N2F: torch.Tensor, grad_NF: torch.Tensor, w_N: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dh, q, scale, dw): the SwiGLU backward and dh's rows in row-scaled FP8, one pass; dw is
+    the row weights' fp32 gradient, or None without them."""
+    h_N2F, grad_NF = _rows("swiglu_fp8_backward", h_N2F), _rows("swiglu_fp8_backward", grad_NF)
+    N, F = grad_NF.shape
+    w_N = _row_weights("swiglu_fp8_backward", w_N, N)
+    dh_N2F = h_N2F.new_empty(h_N2F.shape)
+    q_N2F = torch.empty(h_N2F.shape, dtype=torch.float8_e4m3fn, device=h_N2F.device)
+    scale_N = torch.empty((N,), dtype=torch.float32, device=h_N2F.device)
+    dw_NB = None if w_N is None else grad_NF.new_zeros((N, 1), dtype=torch.float32)
+    if dh_N2F.numel():
+        launch_backward(h_N2F, grad_NF, dh_N2F, w_N, dw_NB, q_N2F=q_N2F, scale_N=scale_N)
+    return dh_N2F, q_N2F, scale_N, None if dw_NB is None else dw_NB.view(N)
 
 
 def supports(h_N2F: torch.Tensor) -> bool:

@@ -8,8 +8,10 @@ Both products are one `torch._grouped_mm` each, driven by device-side offsets. T
 weights w_N are the router weights of the rows, handed over by a dispatcher whose combine then
 only sums (LocalDispatcher): applied inside the SwiGLU, before the linear down projection, they
 give the same result as weighting y, while the combine's backward needs no saved y. The GEMM is a
-swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); `grouped_mm_reference` is the
-obvious loop over experts that tests compare against. Weights are indexed by global expert id
+swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); a GEMM with a `swiglu_mlp` method
+(FP8 row-scaled) may take the whole MLP as one op instead, to fuse its quantizations into the
+SwiGLU kernels. `grouped_mm_reference` is the obvious loop over experts that tests compare
+against. Weights are indexed by global expert id
 minus `expert_offset`, so expert parallelism only changes which slice of experts a rank holds.
 """
 
@@ -79,5 +81,10 @@ class GroupedExperts(nn.Module):
     def forward(
         self, rows_ND: torch.Tensor, offsets_e: torch.Tensor, w_N: torch.Tensor | None = None
     ) -> torch.Tensor:
+        fused = getattr(self.gemm, "swiglu_mlp", None)
+        if fused is not None:
+            y_ND = fused(rows_ND, self.w_up_eD2F, self.w_down_eFD, offsets_e, w_N)
+            if y_ND is not None:
+                return y_ND
         h_N2F = self.gemm(rows_ND, self.w_up_eD2F, offsets_e)
         return self.gemm(swiglu(h_N2F, w_N), self.w_down_eFD, offsets_e)

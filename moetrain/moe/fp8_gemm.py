@@ -129,7 +129,8 @@ class FP8RowwiseGroupedGemm:
         device: torch.device | str = "cpu",
         *,
         emulate: bool | None = None,
-        use_fast_accum: bool = False,
+        use_fast_accum: bool = True,
+        fuse_swiglu: bool = True,
     ) -> None:
         device = torch.device(device)
         reason = fp8_unsupported_reason(device)
@@ -140,21 +141,53 @@ class FP8RowwiseGroupedGemm:
         self.emulated = emulate
         self.name = "fp8_rowwise (emulation)" if emulate else "fp8_rowwise"
         self.use_fast_accum = use_fast_accum
+        self.fuse_swiglu = fuse_swiglu
+
+    def swiglu_mlp(
+        self,
+        x_ND: torch.Tensor,
+        w_up_eD2F: torch.Tensor,
+        w_down_eFD: torch.Tensor,
+        offs_e: torch.Tensor,
+        w_N: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The experts' whole MLP as one op with the quantizations fused into the SwiGLU
+        kernels (moe/fp8_experts.py), or None when built with `fuse_swiglu=False` (the caller
+        then composes the products)."""
+        if not self.fuse_swiglu:
+            return None
+        from moetrain.moe.fp8_experts import fp8_swiglu_experts
+
+        _check_inputs(self.name, x_ND, w_up_eD2F, offs_e)
+        e, d, f2 = w_up_eD2F.shape
+        if w_down_eFD.shape != (e, f2 // 2, d) or f2 % 2:
+            raise ValueError(
+                f"{self.name}: expected w_up (e, D, 2F) and w_down (e, F, D), got "
+                f"{tuple(w_up_eD2F.shape)} and {tuple(w_down_eFD.shape)}"
+            )
+        if not self.emulated:
+            self._check_kernel_shapes(w_up_eD2F)
+            self._check_kernel_shapes(w_down_eFD)
+        return fp8_swiglu_experts(
+            x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N,
+            emulate=self.emulated, use_fast_accum=self.use_fast_accum,
+        )  # fmt: skip
+
+    def _check_kernel_shapes(self, w_eDF: torch.Tensor) -> None:
+        d, f = w_eDF.shape[1:]
+        if d % 16 or f % 16:
+            raise ValueError(
+                f"{self.name}: D={d} and F={f} must be multiples of 16 (torch._scaled_grouped_mm)"
+            )
+        if w_eDF.shape[0] >= 1024:
+            raise ValueError(f"{self.name}: at most 1023 experts per GEMM, got {w_eDF.shape[0]}")
 
     def __call__(
         self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
     ) -> torch.Tensor:
         _check_inputs(self.name, x_ND, w_eDF, offs_e)
         if not self.emulated:
-            d, f = w_eDF.shape[1:]
-            if d % 16 or f % 16:
-                raise ValueError(
-                    f"{self.name}: D={d} and F={f} must be multiples of 16 (torch._scaled_grouped_mm)"
-                )
-            if w_eDF.shape[0] >= 1024:
-                raise ValueError(
-                    f"{self.name}: at most 1023 experts per GEMM, got {w_eDF.shape[0]}"
-                )
+            self._check_kernel_shapes(w_eDF)
         return fp8_grouped_mm(x_ND.contiguous(), w_eDF, offs_e, self.emulated, self.use_fast_accum)
 
 

@@ -253,6 +253,38 @@ def check_triton_ops(N, F_, dtype, device, seed=0):
     assert torch.equal(grad_strided, torch.autograd.grad(out, h, g_row.contiguous())[0])
 
 
+def check_fp8_triton_ops(N, F_, dtype, device, weighted, seed=0):
+    """The fused FP8 variants: out and dh equal the plain Triton ops bit for bit, and (q, scale)
+    equal the reference quantization of the rows as written; dw as the plain op's (sum order
+    may differ across column blocks: within fp32 rounding)."""
+    from moetrain.kernels import quant
+    from moetrain.kernels.swiglu_triton import (
+        swiglu_fp8_backward_triton,
+        swiglu_fp8_triton,
+        swiglu_triton,
+    )
+
+    h = randn(N, 2 * F_, dtype=dtype, seed=seed, device=device)
+    g = randn(N, F_, dtype=dtype, seed=seed + 1, device=device)
+    w = row_weights(N, seed=seed + 2, device=device) if weighted else None
+    out, q, scale = swiglu_fp8_triton(h, w)
+    assert torch.equal(out, swiglu_triton(h, w))
+    q_ref, scale_ref = quant.quantize_fp8_rowwise(out)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale, scale_ref)
+
+    dh, q, scale, dw = swiglu_fp8_backward_triton(h, g, w)
+    want_dh, want_dw = torch.ops.moetrain.swiglu_backward(h, g, w)
+    assert torch.equal(dh, want_dh)
+    q_ref, scale_ref = quant.quantize_fp8_rowwise(dh)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale, scale_ref)
+    if weighted:
+        torch.testing.assert_close(dw, want_dw, rtol=1e-5, atol=1e-6)
+    else:
+        assert dw is None
+
+
 @needs_interpreter
 def test_triton_swiglu_under_interpreter():
     """Runs this file's `interpreted` tests in a fresh process with TRITON_INTERPRET=1 (the ops
@@ -275,6 +307,35 @@ def test_triton_ops_edge_shapes_interpreted(N, F_, dtype):
     check_triton_ops(N, F_, dtype, "cpu", seed=11)
 
 
+@interpreted
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("N,F_,dtype", [(37, 17, torch.bfloat16), (9, 512, torch.bfloat16), (5, 600, torch.float32)])  # fmt: skip
+def test_fused_fp8_swiglu_matches_plain_op_and_quantization_interpreted(N, F_, dtype, weighted):
+    check_fp8_triton_ops(N, F_, dtype, "cpu", weighted, seed=N)
+
+
+def test_fused_fp8_swiglu_is_the_references_off_the_gpu():
+    """On the CPU `swiglu_fp8` and its backward are the references and the row quantization."""
+    from moetrain.kernels import quant
+    from moetrain.kernels.swiglu import swiglu_fp8, swiglu_fp8_backward
+
+    h, g = randn(33, 64, dtype=torch.bfloat16), randn(33, 32, dtype=torch.bfloat16, seed=1)
+    w = row_weights(33)
+    out, q, scale = swiglu_fp8(h, w)
+    assert torch.equal(out, swiglu_reference(h, w))
+    q_ref, scale_ref = quant.quantize_fp8_rowwise(out)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(
+        scale, scale_ref
+    )
+    dh, q, scale, dw = swiglu_fp8_backward(h, g, w)
+    want_dh, want_dw = weighted_swiglu_backward_reference(h, g, w)
+    assert torch.equal(dh, want_dh) and torch.equal(dw, want_dw)
+    q_ref, scale_ref = quant.quantize_fp8_rowwise(dh)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(
+        scale, scale_ref
+    )
+
+
 # --- GPU: the compiled kernels -----------------------------------------------------------------
 
 gpu = needs_cuda_and_triton
@@ -288,6 +349,17 @@ gpu = needs_cuda_and_triton
 )
 def test_triton_ops_match_references_cuda(N, F_, dtype):
     check_triton_ops(N, F_, dtype, "cuda", seed=N + F_)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize(
+    "N,F_,dtype",
+    [(4096, 512, torch.bfloat16), (1000, 1024, torch.bfloat16), (300, 4096, torch.bfloat16), (77, 40, torch.float32)],
+)  # fmt: skip
+def test_fused_fp8_swiglu_matches_plain_op_and_quantization_cuda(N, F_, dtype, weighted):
+    check_fp8_triton_ops(N, F_, dtype, "cuda", weighted, seed=N)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,165 @@
+"""The FP8 experts' MLP as one op (moe/fp8_experts.py) against the same products composed one by
+one (`fuse_swiglu=False`), with row weights, an empty expert and garbage padding rows: the CPU
+runs the emulation, `pytest -m gpu` the tensor cores and the fused Triton SwiGLU kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.kernels.swiglu import swiglu_reference
+from moetrain.moe.experts import GroupedExperts, grouped_mm_reference
+from moetrain.moe.fp8_gemm import FP8RowwiseGroupedGemm, fp8_unsupported_reason
+
+HAS_FP8_GPU = torch.cuda.is_available() and fp8_unsupported_reason(torch.device("cuda")) is None
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def problem(counts, num_rows, d, f, *, dtype, device, seed):
+    """Rows grouped by expert, padding rows past the last offset (garbage), router-like row
+    weights, the experts' weights and a gradient for the real rows."""
+    gen = torch.Generator().manual_seed(seed)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    n = int(offs[-1])
+    x = torch.randn(num_rows, d, generator=gen)
+    x[n:] = 1e30
+    w_up = torch.randn(len(counts), d, 2 * f, generator=gen) / d**0.5
+    w_down = torch.randn(len(counts), f, d, generator=gen) / f**0.5
+    row_w = torch.rand(num_rows, generator=gen)
+    g = torch.randn(n, d, generator=gen)
+    to = dict(dtype=dtype, device=device)
+    return x.to(**to), w_up.to(**to), w_down.to(**to), row_w.to(device), offs.to(device), g.to(**to)
+
+
+def run(gemm, x, w_up, w_down, row_w, offs, g, *, compile: bool = False):
+    """Output rows within groups and the gradients of sum(y * g) over x, both weights and the
+    row weights."""
+    experts = GroupedExperts(w_up.shape[0], w_up.shape[1], w_down.shape[1], gemm=gemm)
+    experts = experts.to(device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        experts.w_up_eD2F.copy_(w_up)
+        experts.w_down_eFD.copy_(w_down)
+    x = x.detach().clone().requires_grad_()
+    row_w = row_w.detach().clone().requires_grad_()
+    fn = torch.compile(experts, fullgraph=True, backend=compile) if compile else experts
+    n = g.shape[0]
+    y = fn(x, offs, row_w)
+    (y[:n].float() * g.float()).sum().backward()
+    return (
+        y[:n].detach(),
+        x.grad[:n],
+        experts.w_up_eD2F.grad,
+        experts.w_down_eFD.grad,
+        row_w.grad[:n],
+    )
+
+
+COUNTS = [100, 0, 250, 40, 170, 90]  # expert 1 gets no rows
+NUM_ROWS, D, F = 700, 128, 96  # 50 padding rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mlp_is_the_composed_products_on_cpu(dtype):
+    """Same quantization points, same products: the emulated results are equal bit for bit."""
+    args = problem(COUNTS, NUM_ROWS, D, F, dtype=dtype, device="cpu", seed=1)
+    fused = run(FP8RowwiseGroupedGemm("cpu"), *args)
+    composed = run(FP8RowwiseGroupedGemm("cpu", fuse_swiglu=False), *args)
+    for name, a, b in zip(("y", "dx", "dw_up", "dw_down", "drow_w"), fused, composed, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
+    assert torch.equal(fused[2][1], torch.zeros_like(fused[2][1]))  # the expert without rows
+
+
+def test_fused_mlp_is_close_to_fp32_math():
+    """Two chained e4m3 products (about 4% each on Gaussian data) land within 10% of fp32 math;
+    a scale on the wrong dim or a dropped row weight would be off by O(1)."""
+    x, w_up, w_down, row_w, offs, g = problem(
+        COUNTS, NUM_ROWS, D, F, dtype=torch.float32, device="cpu", seed=2
+    )
+
+    def reference(x_, offs_, w_):
+        h = grouped_mm_reference(x_, experts_up, offs_)
+        return grouped_mm_reference(swiglu_reference(h, w_), experts_down, offs_)
+
+    experts_up, experts_down = w_up, w_down
+    got = run(FP8RowwiseGroupedGemm("cpu"), x, w_up, w_down, row_w, offs, g)
+    n = g.shape[0]
+    xr = x.clone().requires_grad_()
+    wr = row_w.clone().requires_grad_()
+    experts_up = w_up.clone().requires_grad_()
+    experts_down = w_down.clone().requires_grad_()
+    y = reference(xr, offs, wr)
+    (y[:n] * g).sum().backward()
+    want = (y[:n].detach(), xr.grad[:n], experts_up.grad, experts_down.grad, wr.grad[:n])
+    for name, a, b in zip(("y", "dx", "dw_up", "dw_down", "drow_w"), got, want, strict=True):
+        assert rel(a, b) < 0.1, name
+
+
+def test_fused_mlp_compiles_without_a_graph_break():
+    args = problem(COUNTS, NUM_ROWS, D, F, dtype=torch.float32, device="cpu", seed=3)
+    eager = run(FP8RowwiseGroupedGemm("cpu"), *args)
+    compiled = run(FP8RowwiseGroupedGemm("cpu"), *args, compile="aot_eager")
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_mismatched_expert_weights_are_an_error():
+    x, w_up, w_down, row_w, offs, _ = problem([3, 5], 8, 64, 32, dtype=torch.float32, device="cpu", seed=4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"w_down \(e, F, D\)"):
+        FP8RowwiseGroupedGemm("cpu").swiglu_mlp(x, w_up, w_down[:, :16], offs, row_w)
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+GPU_COUNTS = [1500, 0, 2500, 700, 1300, 17, 1000, 976]  # 8 uneven groups, one empty: 7993 rows
+GPU_ROWS, GPU_D, GPU_F = 8192, 1024, 512
+needs_fp8_gpu = pytest.mark.skipif(
+    not HAS_FP8_GPU, reason="needs a CUDA GPU of compute capability 9.x or 10.x"
+)
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_fused_mlp_is_the_composed_products_on_the_gpu(fast_accum):
+    """Tensor cores and the fused SwiGLU kernels: equal to the composed path bit for bit (the
+    same FP8 operands reach the same kernels), and close to the emulation."""
+    args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=5)
+    fused = run(FP8RowwiseGroupedGemm("cuda", use_fast_accum=fast_accum), *args)
+    composed = run(
+        FP8RowwiseGroupedGemm("cuda", use_fast_accum=fast_accum, fuse_swiglu=False), *args
+    )
+    emulated = run(FP8RowwiseGroupedGemm("cuda", emulate=True), *args)
+    for name, a, b, c in zip(("y", "dx", "dw_up", "dw_down", "drow_w"), fused, composed, emulated, strict=True):  # fmt: skip
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
+        assert rel(a, c) < 1e-2, name
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_fused_mlp_on_the_gpu_has_no_host_sync():
+    args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=6)
+    gemm = FP8RowwiseGroupedGemm("cuda")
+    run(gemm, *args)  # warm-up: Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run(gemm, *args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(t is not None for t in out)
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_fused_mlp_on_the_gpu_compiled_matches_eager():
+    args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=7)
+    gemm = FP8RowwiseGroupedGemm("cuda")
+    eager = run(gemm, *args)
+    compiled = run(gemm, *args, compile="inductor")
+    for a, b in zip(compiled, eager, strict=True):
+        assert rel(a, b) < 1e-3
