@@ -228,6 +228,7 @@ def expert_pieces(x, w, g, offs) -> dict:
         "fp8 quantize rows (fwd)": lambda: quantize_rows(x),
         "fp8 quantize weight (fwd)": lambda: quantized_weight(w, "D"),
         "fp8 quantize weight (fwd), bf16 copy first": lambda: quantize_rows(w.mT.contiguous()),
+        "fp8 quantize weight (fwd), split amax + cast": lambda: split_column_kernels(w),
         "fp8 product (fwd)": lambda: scaled_grouped_mm(*qx, *qwd, offs, bf16, False),
         "fp8 product fast accum (fwd)": lambda: scaled_grouped_mm(
             *qx, *qwd, offs, bf16, False, True
@@ -247,6 +248,18 @@ def expert_pieces(x, w, g, offs) -> dict:
     }
 
 
+def split_column_kernels(w):
+    """The weight's forward quantization by the split kernels (amax over row blocks, then cast)."""
+    from moetrain.kernels import quant_triton
+
+    saved = quant_triton.COLUMN_PROGRAMS_MIN
+    quant_triton.COLUMN_PROGRAMS_MIN = 10**9
+    try:
+        return quant_triton.quantize_fp8_rowwise_triton(w, -2, transposed=True)
+    finally:
+        quant_triton.COLUMN_PROGRAMS_MIN = saved
+
+
 def swiglu_pieces(n: int, f: int, gen) -> dict:
     """The SwiGLU between the projections with its FP8 quantization apart and fused."""
     from moetrain.kernels.swiglu import swiglu_fp8, swiglu_fp8_backward
@@ -256,9 +269,26 @@ def swiglu_pieces(n: int, f: int, gen) -> dict:
     h = torch.randn(n, 2 * f, device="cuda", generator=gen, dtype=torch.bfloat16)
     g = torch.randn(n, f, device="cuda", generator=gen, dtype=torch.bfloat16)
     w = torch.rand(n, device="cuda", generator=gen)
+    from moetrain.kernels import swiglu_triton as st
+
     a = swiglu_triton(h, w)
     dh = torch.ops.moetrain.swiglu_backward(h, g, w)[0]
-    return {
+    out, q, scale = torch.empty_like(a), torch.empty(a.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(n, device="cuda")  # fmt: skip
+    dh_out, dh_q = torch.empty_like(dh), torch.empty(dh.shape, dtype=torch.float8_e4m3fn, device="cuda")  # fmt: skip
+    dw = torch.empty(n, 1, device="cuda")
+    configs = {
+        f"tile {tile}, {warps} warps": st.quantizing_config(f, tile, warps)
+        for tile, warps in ((4096, 4), (4096, 8), (2048, 4), (2048, 8), (1024, 4))
+    }
+    sweep = {}
+    for name, cfg in configs.items():
+        sweep[f"fused forward, {name}"] = lambda c=cfg: st.launch_forward(
+            h, out, w, config=c, q_NF=q, scale_N=scale
+        )
+        sweep[f"fused backward, {name}"] = lambda c=cfg: st.launch_backward(
+            h, g, dh_out, w, dw, config=c, q_N2F=dh_q, scale_N=scale
+        )
+    return sweep | {
         "swiglu forward": lambda: swiglu_triton(h, w),
         "swiglu forward, then quantize": lambda: quantize_rows(swiglu_triton(h, w)),
         "quantize its output alone": lambda: quantize_rows(a),

@@ -124,15 +124,17 @@ def _grid(N: int, F: int, cfg: dict) -> tuple[int, int]:
     return triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(F, cfg["BLOCK_F"])
 
 
-def quantizing_config(F: int) -> dict:
+def quantizing_config(F: int, tile: int = 2048, num_warps: int = 8) -> dict:
     """Whole rows a tile (fused FP8 quantization needs each row's amax): up to
-    `MAX_QUANTIZED_F` columns, rows to fill 4096 elements, eight warps from 2048 columns on."""
+    `MAX_QUANTIZED_F` columns, rows to fill `tile` elements. The backward keeps dgate and dup
+    live until the row's amax is known: smaller tiles over more warps than `launch_config`
+    keep them in registers."""
     if F > MAX_QUANTIZED_F:
         raise ValueError(f"fused FP8 quantization takes rows of at most {MAX_QUANTIZED_F}, got {F}")
     block_f = triton.next_power_of_2(max(F, 1))
     return dict(
-        BLOCK_N=max(1, min(64, 4096 // block_f)), BLOCK_F=block_f, EVEN_F=F == block_f,
-        num_warps=8 if block_f >= 2048 else 4,
+        BLOCK_N=max(1, min(64, tile // block_f)), BLOCK_F=block_f, EVEN_F=F == block_f,
+        num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -87,11 +87,14 @@ def fp8_swiglu_experts_backward(
         emulate, use_fast_accum,
     )  # fmt: skip
     grad_w_down = _grouped_weight_grad(a_NF, grad_y_ND, offs_e).to(w_down_eFD.dtype)
+    del grad_y_ND  # each temporary goes as soon as it is read: the peak is one layer's backward
     grad_h_N2F, grad_h_q, grad_h_scale, grad_w_N = swiglu_fp8_backward(h_N2F, grad_a_NF, w_N)
+    del grad_a_NF
     grad_x_ND = scaled_grouped_mm(
         grad_h_q, grad_h_scale, *quantized_weight(w_up_eD2F, "F"), offs_e, dtype,
         emulate, use_fast_accum,
     )  # fmt: skip
+    del grad_h_q, grad_h_scale
     grad_w_up = _grouped_weight_grad(x_ND, grad_h_N2F, offs_e).to(w_up_eD2F.dtype)
     if grad_w_N is None:
         grad_w_N = x_ND.new_empty((0,), dtype=torch.float32)

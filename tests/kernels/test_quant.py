@@ -237,6 +237,23 @@ def test_triton_transposed_matches_reference_interpreted(interpreter, shape, dty
 
 
 @interpreted
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(3, 64, 48), (2, 130, 70), (70, 33)])
+def test_triton_column_kernels_match_reference_interpreted(
+    interpreter, monkeypatch, shape, transposed, one_pass
+):
+    """Per-column scales by either kernel choice (one pass a column block, or split amax + cast),
+    q in x's layout or transposed."""
+    monkeypatch.setattr(interpreter, "COLUMN_PROGRAMS_MIN", 0 if one_pass else 10**9)
+    x = with_edge_values(random_input(shape, torch.bfloat16, seed=9))
+    want = quantize_fp8_rowwise(x.mT, -1) if transposed else quantize_fp8_rowwise(x, -2)
+    got = interpreter.quantize_fp8_rowwise_triton(x, -2, transposed=transposed)
+    for a, b in zip(got, want, strict=True):
+        assert_same_bits(a, b)
+
+
+@interpreted
 def test_triton_e4m3_rounding_every_tie_interpreted(interpreter):
     """Every e4m3 value, every midpoint between neighbours (ties), and one fp32 ulp either side,
     in rows whose amax is 448 so that the scale is exactly 1 and q is the plain conversion."""
@@ -319,15 +336,23 @@ def test_triton_rowwise_matches_reference_cuda(shape, dim, dtype, software_cast)
         ((300, 70), torch.float32),
     ],
 )
-def test_triton_transposed_matches_reference_cuda(shape, dtype, software_cast):
-    from moetrain.kernels.quant_triton import quantize_fp8_rowwise_triton
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_triton_transposed_matches_reference_cuda(
+    monkeypatch, shape, dtype, software_cast, one_pass
+):
+    from moetrain.kernels import quant_triton
 
+    monkeypatch.setattr(quant_triton, "COLUMN_PROGRAMS_MIN", 0 if one_pass else 10**9)
     x = with_edge_values(random_input(shape, dtype, seed=8, device="cuda"))
     q_ref, s_ref = quantize_fp8_rowwise(x.mT, -1)
-    q, s = quantize_fp8_rowwise_triton(x, -2, transposed=True, software_cast=software_cast)
+    q, s = quant_triton.quantize_fp8_rowwise_triton(
+        x, -2, transposed=True, software_cast=software_cast
+    )
     assert q.is_contiguous() and q.shape == x.mT.shape
     assert_same_bits(q, q_ref)
     assert_same_bits(s, s_ref)
+    q, s = quant_triton.quantize_fp8_rowwise_triton(x, -2, software_cast=software_cast)
+    assert_same_bits(q, quantize_fp8_rowwise(x, -2)[0])
 
 
 @pytest.mark.gpu
