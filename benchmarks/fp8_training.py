@@ -442,6 +442,14 @@ def product_rows(tokens: int, k: int, n: int, reps: int = 20) -> list[dict]:
         flops = 2 * a.shape[0] * a.shape[1] * b.shape[0]
         bf16_ms = graph_timed(lambda a=a, b=b: a @ b.T, reps)
         fp8_ms = graph_timed(lambda qa=qa, qb=qb: scaled_mm(*qa, *qb, torch.bfloat16, False), reps)
+        fast_ms = graph_timed(
+            lambda qa=qa, qb=qb: scaled_mm(*qa, *qb, torch.bfloat16, False, True), reps
+        )
+        want = quant.dequantize_fp8_rowwise(*qa) @ quant.dequantize_fp8_rowwise(*qb).T
+        errs = {
+            f"rel_{mode}": rel(scaled_mm(*qa, *qb, torch.bfloat16, False, fast), want)
+            for mode, fast in (("precise", False), ("fast", True))
+        }
         quant_ms = graph_timed(lambda a=a: quantize(a), reps) + graph_timed(
             lambda b=b: quantize(b), reps
         )
@@ -450,13 +458,16 @@ def product_rows(tokens: int, k: int, n: int, reps: int = 20) -> list[dict]:
                 "product": name, "shape": [a.shape[0], b.shape[0], a.shape[1]],
                 "bf16_ms": bf16_ms, "bf16_tflops": flops / bf16_ms / 1e9,
                 "fp8_ms": fp8_ms, "fp8_tflops": flops / fp8_ms / 1e9, "quantize_ms": quant_ms,
+                "fp8_fast_ms": fast_ms, **errs,
             }
         )  # fmt: skip
         r = rows[-1]
         print(
             f"  {name:<12} (M, N, K) {tuple(r['shape'])}: bf16 {bf16_ms:.3f} ms "
             f"({r['bf16_tflops']:.0f} TFLOP/s), fp8 GEMM {fp8_ms:.3f} ms "
-            f"({r['fp8_tflops']:.0f}), its two quantizations {quant_ms:.3f} ms",
+            f"({r['fp8_tflops']:.0f}), fast accum {fast_ms:.3f} ms, its two quantizations "
+            f"{quant_ms:.3f} ms; error against fp32 on the same operands: precise "
+            f"{errs['rel_precise']:.2e}, fast {errs['rel_fast']:.2e}",
             flush=True,
         )
     return rows
@@ -487,6 +498,8 @@ def main() -> None:
     if "products" in parts:
         print("an FP8 linear's products and quantizations, olmoe8's output projection")
         results["products"] = product_rows(16384, 2048, 2048)
+        print("the same at small's output projection")
+        results["products_small"] = product_rows(16384, 1024, 1024)
         save(results, args.json)
     if "experts" in parts:
         print("the FP8 expert GEMMs taken apart, per preset (CUDA-graph replays)")

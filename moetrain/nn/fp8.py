@@ -70,6 +70,7 @@ def scaled_mm(
     b_scale_N: torch.Tensor,
     out_dtype: torch.dtype,
     emulate: bool,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """(a_q * a_scale) @ (b_q * b_scale)^T: both operands row-major with the reduction dim K last,
     one scale per row. FP8 tensor cores, or fp32 math when emulated."""
@@ -78,8 +79,9 @@ def scaled_mm(
         b_NK = quant.dequantize_fp8_rowwise(b_q_NK, b_scale_N)
         return (a_MK @ b_NK.T).to(out_dtype)
     out = torch._scaled_mm(
-        a_q_MK, b_q_NK.T, a_scale_M[:, None], b_scale_N[None, :], out_dtype=torch.bfloat16
-    )
+        a_q_MK, b_q_NK.T, a_scale_M[:, None], b_scale_N[None, :], out_dtype=torch.bfloat16,
+        use_fast_accum=use_fast_accum,
+    )  # fmt: skip
     return out.to(out_dtype)
 
 
