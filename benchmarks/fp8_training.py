@@ -12,13 +12,17 @@ the same shapes in the same job, then whole training steps.
    `_to_fp8_rowwise_then_scaled_grouped_mm`, each in its own weight layout. Median ms (CUDA
    events) and the relative error of output, input and weight gradient against fp32.
    torchao is optional: without it its rows are skipped.
-2. products: the FP8 linear taken apart at the output projection's shape: each product on
-   pre-quantized operands against bf16, and each quantization alone (CUDA-graph replays: a
+2. products: the FP8 linear taken apart at olmoe8's and small's output projection: each product
+   on pre-quantized operands against bf16, with precise and fast accumulation (and their errors
+   against fp32 math on the same operands), and each quantization alone (CUDA-graph replays: a
    single eager call timed with events also counts its launch gaps).
 3. experts: the FP8 expert GEMMs taken apart at each preset's shapes: per projection, each
-   quantization, each FP8 product, the whole ops, and the bf16 products they replace.
-4. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16, with FP8
-   expert GEMMs, and with FP8 expert GEMMs and projections: median ms, peak GiB, graphed or not.
+   quantization (the weight's three ways), each FP8 product with precise and fast accumulation
+   (the weight gradient's too, on equal groups), the whole ops, and the bf16 products they
+   replace; then the SwiGLU with its quantization apart and fused, and the fused kernels' tiles.
+4. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16 and in
+   the FP8 variants of VARIANTS (experts; experts composed per product; experts with precise
+   accumulation; experts and projections): median ms, peak GiB, graphed or not.
 
 Prediction (olmoe8, H200, from the FLOP split in the FP8 issue): the expert GEMMs' forward and
 input gradient are ~38% of the FLOPs and run ~1.3x faster in FP8 (926 vs 720 TFLOP/s), the

@@ -38,6 +38,7 @@ from moetrain.kernels.triton_support import triton_available as triton_available
 
 MAX_BLOCK_F = 512  # widest column block of one program; wider rows take several programs
 MAX_QUANTIZED_F = 4096  # widest row the fused FP8 quantization takes (one tile a row)
+BACKWARD_QUANTIZING_TILE = 1024  # elements a program in the fused FP8 backward
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -124,11 +125,12 @@ def _grid(N: int, F: int, cfg: dict) -> tuple[int, int]:
     return triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(F, cfg["BLOCK_F"])
 
 
-def quantizing_config(F: int, tile: int = 2048, num_warps: int = 8) -> dict:
+def quantizing_config(F: int, tile: int = 2048, num_warps: int = 4) -> dict:
     """Whole rows a tile (fused FP8 quantization needs each row's amax): up to
     `MAX_QUANTIZED_F` columns, rows to fill `tile` elements. The backward keeps dgate and dup
-    live until the row's amax is known: smaller tiles over more warps than `launch_config`
-    keep them in registers."""
+    live until the row's amax is known and takes tiles of 1024 (`BACKWARD_QUANTIZING_TILE`).
+    Measured on the H200 at N = 131,072 (benchmarks/fp8_training.py --parts experts): forward
+    best at 2048 elements and four warps, backward at 1024 and four (F = 512 and 1024)."""
     if F > MAX_QUANTIZED_F:
         raise ValueError(f"fused FP8 quantization takes rows of at most {MAX_QUANTIZED_F}, got {F}")
     block_f = triton.next_power_of_2(max(F, 1))
@@ -171,7 +173,9 @@ def launch_backward(
     blocks, `num_column_blocks`); with q_N2F and scale_N also dh's rows in row-scaled FP8."""
     N, F = grad_NF.shape
     flags, q, scale = _quantized_outputs(q_N2F, scale_N)
-    cfg = config or (quantizing_config(F) if flags["QUANTIZE"] else launch_config(F))
+    if config is None and flags["QUANTIZE"]:
+        config = quantizing_config(F, tile=BACKWARD_QUANTIZING_TILE)
+    cfg = config or launch_config(F)
     kernel = wrap(_swiglu_backward_kernel) if wrap else _swiglu_backward_kernel
     w, dw = (dh_N2F, dh_N2F) if w_N is None else (w_N, dw_NB)  # dummy pointers when unused
     kernel[_grid(N, F, cfg)](

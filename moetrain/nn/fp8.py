@@ -4,8 +4,13 @@ reduction dim, fp32 accumulation, bf16 output, on `torch._scaled_mm` (Hopper / B
 For y = x w^T with x (M, K) tokens and w (N, K):
     forward       y  = x  @ w^T    x scaled per token along K,   w per output row along K
     input grad    gx = gy @ w      gy scaled per token along N,  w per input column along N
-    weight grad   gw = gy^T @ x    gy and x scaled per channel along M (the tokens)
-The weight gradient stays in bf16 when M is not a multiple of 16 (the kernel's alignment).
+    weight grad   gw = gy^T @ x    in the input precision (bf16), as for the experts
+Forward and input gradient use the kernel's fast accumulation: on the H200 it added 0.1-0.2e-3 to
+a 1.7e-3 error against fp32 math on the same operands at K = 1024-2048. The weight gradient in FP8
+needs both operands scaled along the tokens, two transposed quantizations that took 0.255 ms at
+olmoe8's output projection against 0.168 ms for the whole bf16 product (benchmarks/RESULTS.md,
+session 13), so it stays bf16 (its reduction over all tokens is also where fast accumulation
+doubled the error).
 
 Nothing is cached: operands, weights included, are quantized at every call with plain torch ops
 (`moetrain.kernels.quant`), which torch.compile traces and Inductor fuses into one pass per operand
@@ -86,13 +91,14 @@ def scaled_mm(
 
 
 class _FP8Linear(torch.autograd.Function):
-    """x @ cat(weights)^T with all three products in FP8; saves x and the weights themselves."""
+    """x @ cat(weights)^T with the forward and input-gradient products in FP8, the weight
+    gradient in x's precision; saves x and the weights themselves."""
 
     @staticmethod
     def forward(ctx, x, emulate, *weights):  # type: ignore[override]
         w_NK = weights[0] if len(weights) == 1 else torch.cat(weights)
         x_MK = x.reshape(-1, x.shape[-1])
-        y_MN = scaled_mm(*quantize_rows(x_MK), *quantize_rows(w_NK), x.dtype, emulate)
+        y_MN = scaled_mm(*quantize_rows(x_MK), *quantize_rows(w_NK), x.dtype, emulate, True)
         ctx.save_for_backward(x, *weights)
         ctx.emulate = emulate
         return y_MN.view(*x.shape[:-1], w_NK.shape[0])
@@ -107,18 +113,16 @@ class _FP8Linear(torch.autograd.Function):
         # Both gradients, always: dynamo has been seen to read `ctx.needs_input_grad` as False
         # for inputs that need a gradient (pytorch/pytorch#160901), silently dropping it.
         g_q, g_scale = quantize_rows(g_MN)
-        grad_x = scaled_mm(g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, emulate).view(x.shape)
-        if x_MK.shape[0] % 16 == 0:
-            grad_w = scaled_mm(*quantize_rows(g_MN.T), *quantize_rows(x_MK.T), w_NK.dtype, emulate)
-        else:  # the FP8 kernel needs the reduction dim (tokens) in multiples of 16
-            grad_w = (g_MN.T.to(x.dtype) @ x_MK).to(w_NK.dtype)
+        grad_x = scaled_mm(g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, emulate, True)
+        grad_w = (g_MN.T.to(x.dtype) @ x_MK).to(w_NK.dtype)
         grads_w = grad_w.split([w.shape[0] for w in weights])
+        grad_x = grad_x.view(x.shape)
         return grad_x, None, *grads_w
 
 
 def fp8_linear(x: torch.Tensor, weights: list[torch.Tensor], *, emulate: bool) -> torch.Tensor:
     """x @ cat(weights)^T (nn.Linear weights stacked along their output dim) in FP8 row-scaled
-    precision, forward and backward. x: (..., K); every weight (N_i, K); K and every N_i
+    precision, forward and input gradient (the weight gradient in x's precision). x: (..., K); every weight (N_i, K); K and every N_i
     multiples of 16 (checked by `check_fp8_widths` at start-up)."""
     return _FP8Linear.apply(x, emulate, *weights)
 

@@ -41,31 +41,29 @@ def reference(x, ws):
     return x @ torch.cat(ws).T
 
 
-@pytest.mark.parametrize("tokens", [96, 90], ids=["tokens%16=0", "tokens%16!=0"])
+@pytest.mark.parametrize("tokens", [96, 90])
 def test_emulated_fp8_linear_is_the_dequantized_products(tokens):
-    """Forward, input and weight gradients each equal the fp32 product of the operands quantized
-    along that product's reduction dim; the weight gradient stays unquantized when the token count
-    is not a multiple of 16."""
+    """Forward and input gradient each equal the fp32 product of the operands quantized along
+    that product's reduction dim; the weight gradient is the unquantized product."""
     x, ws, g = problem(tokens, 64, [48, 16, 32], seed=0)
     y, gx, *gws = run(lambda a, b: fp8_linear(a, b, emulate=True), x, ws, g)
     w = torch.cat(ws)
     x2, g2 = x.reshape(-1, 64), g.reshape(-1, w.shape[0])
     torch.testing.assert_close(y, (dq(x2) @ dq(w).T).view_as(y), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, (dq(g2) @ dq(w, dim=0)).view_as(gx), rtol=1e-5, atol=1e-5)
-    if tokens % 16 == 0:
-        want_gw = dq(g2, dim=0).T @ dq(x2, dim=0)
-    else:
-        want_gw = g2.T @ x2
-    torch.testing.assert_close(torch.cat(gws), want_gw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(gws), g2.T @ x2, rtol=1e-5, atol=1e-5)
 
 
 def test_emulated_fp8_linear_is_close_to_fp32_and_splits_gradients_per_weight():
     x, ws, g = problem(128, 96, [64, 32], seed=1)
     got = run(lambda a, b: fp8_linear(a, b, emulate=True), x, ws, g)
     want = run(reference, x, ws, g)
-    for a, b in zip(got, want, strict=True):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.shape == b.shape
-        assert 1e-4 < rel(a, b) < 5e-2  # FP8 rounding is there, and small
+        if i < 2:  # output and input gradient: FP8 rounding is there, and small
+            assert 1e-4 < rel(a, b) < 5e-2
+        else:  # the weight gradients: fp32 here, exact up to summation order
+            assert rel(a, b) < 1e-5
 
 
 def test_fp8_linear_compiles_without_graph_breaks_and_matches_eager():
