@@ -406,9 +406,10 @@ def test_planner_does_not_import_torch():
 
 @pytest.mark.parametrize("dense_layers", [0, 1])
 def test_fp8_linears_move_the_projections_to_the_fp8_rate(dense_layers):
-    """precision.linear=fp8_rowwise: the attention projections and dense SwiGLUs, and nothing
-    else, run at the FP8 matmul rate: the product time falls by exactly their FLOPs times the
-    difference of the two rates' reciprocals."""
+    """precision.linear=fp8_rowwise: the forward and input gradient of the attention projections
+    and dense SwiGLUs, and nothing else, run at the FP8 rate (their weight gradient stays bf16):
+    the product time falls by exactly two thirds of their FLOPs times the difference of the
+    two rates' reciprocals."""
     from moetrain.plan.timing import _matmul_s
 
     config = get_preset("olmoe8").with_overrides([f"model.num_dense_layers={dense_layers}"])
@@ -420,8 +421,49 @@ def test_fp8_linears_move_the_projections_to_the_fp8_rate(dense_layers):
     projections = param_counts(config).attention - (m.num_heads + m.kv_heads) * m.dim_per_head * m.num_layers  # fmt: skip
     dense_mlp = 3 * m.d_model * m.dense_hidden_size * dense_layers
     flops = 6 * (projections + dense_mlp) * config.train.micro_batch_size * config.train.seq_len
-    rate = cluster.matmul_efficiency * 1e12
-    expected = flops * (
-        1 / (P.GPUS["h200"].bf16_tflops * rate) - 1 / (P.GPUS["h200"].fp8_tflops * rate)
+    expected = (
+        flops
+        * 2
+        / 3
+        * (
+            1 / (P.GPUS["h200"].bf16_tflops * cluster.matmul_efficiency * 1e12)
+            - 1 / (P.GPUS["h200"].fp8_tflops * cluster.fp8_efficiency * 1e12)
+        )
     )
     assert saved == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "moe"])
+def test_fp8_experts_move_forward_and_input_gradient_to_the_fp8_rate(checkpointing):
+    """precision.experts=fp8_rowwise: two thirds of the expert FLOPs (and a recomputed forward)
+    at the FP8 rate, the weight gradient's third at the bf16 grouped rate; the quantizations'
+    bytes join the elementwise time."""
+    from moetrain.plan.timing import _elementwise_s, _fp8_quantization_bytes, _matmul_s
+
+    config = get_preset("olmoe8")
+    fp8 = config.with_overrides(["precision.experts=fp8_rowwise"])
+    cluster = P.Cluster(gpu=P.GPUS["h200"], num_gpus=1)
+    layout = P.Layout(
+        pp=1, dp=1, ep=1, micro_batch_size=config.train.micro_batch_size,
+        activation_checkpointing=checkpointing,
+    )  # fmt: skip
+    saved = _matmul_s(config, cluster, layout, 0) - _matmul_s(fp8, cluster, layout, 0)
+    moe, m, t = config.moe, config.model, config.train
+    expert_flops = 6 * moe.top_k * 3 * m.d_model * moe.expert_hidden * m.num_layers
+    expert_flops *= t.micro_batch_size * t.seq_len
+    fp8_share = 2 / 3 + (1 / 3 if checkpointing == "moe" else 0)
+    gpu = P.GPUS["h200"]
+    expected = (
+        expert_flops
+        * fp8_share
+        * (
+            1 / (gpu.bf16_tflops * cluster.grouped_efficiency * 1e12)
+            - 1 / (gpu.fp8_tflops * cluster.fp8_efficiency * 1e12)
+        )
+    )
+    assert saved == pytest.approx(expected, rel=1e-3)
+    assert _fp8_quantization_bytes(config, layout, 0) == 0
+    quantized = _fp8_quantization_bytes(fp8, layout, 0)
+    assert quantized > 0
+    extra = _elementwise_s(fp8, cluster, layout, 0) - _elementwise_s(config, cluster, layout, 0)
+    assert extra == pytest.approx(quantized / cluster.hbm_bps)

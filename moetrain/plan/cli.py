@@ -53,6 +53,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         ("--efficiency", "matmul_efficiency", "dense products"),
         ("--grouped-efficiency", "grouped_efficiency", "expert grouped GEMMs"),
         ("--attention-efficiency", "attention_efficiency", "attention (model FLOPs)"),
+        ("--fp8-efficiency", "fp8_efficiency", "FP8 products (of the FP8 peak)"),
     ):
         default = _CLUSTER_DEFAULTS[field]
         p.add_argument(flag, type=float, default=default, help=f"{what}: fraction of peak")
@@ -95,6 +96,7 @@ def run_plan(args: argparse.Namespace) -> int:
             matmul_efficiency=args.efficiency,
             grouped_efficiency=args.grouped_efficiency,
             attention_efficiency=args.attention_efficiency,
+            fp8_efficiency=args.fp8_efficiency,
             overhead_gib=args.overhead_gib,
         )
         cluster, calibrated = apply_calibration(args, cluster, config.name)

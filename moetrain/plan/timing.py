@@ -88,16 +88,23 @@ def bubble_microbatches(layout: Layout) -> float:
     }[layout.schedule]
 
 
+def fp8_experts(config: RunConfig, cluster: Cluster) -> bool:
+    """Whether the expert GEMMs run on FP8 tensor cores (MXFP8 only on Blackwell)."""
+    recipe = config.precision.experts
+    return recipe == "fp8_rowwise" or (recipe == "mxfp8" and cluster.gpu.name.startswith("b"))
+
+
 def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -> float:
     """One micro-batch's products on a stage. A forward is a third of forward + backward; moe
-    checkpointing redoes the experts and the router (2 D E FLOPs per token), full everything."""
+    checkpointing redoes the experts and the router (2 D E FLOPs per token), full everything.
+    FP8 GEMMs (experts, `precision.linear`) run the forward and the input gradient, and any
+    recomputed forward, at the FP8 rate; their weight gradient stays bf16 (moe/fp8_experts.py,
+    nn/fp8.py)."""
     m, moe, gpu = config.model, config.moe, cluster.gpu
     lp = layer_params(config)
     _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
-    fp8 = config.precision.experts == "fp8_rowwise" or (
-        config.precision.experts == "mxfp8" and gpu.name.startswith("b")  # Blackwell only
-    )
-    expert_rate = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12 * cluster.grouped_efficiency
+    grouped_rate = gpu.bf16_tflops * 1e12 * cluster.grouped_efficiency
+    fp8_rate = gpu.fp8_tflops * 1e12 * cluster.fp8_efficiency
     dense_rate = gpu.bf16_tflops * 1e12 * cluster.matmul_efficiency
     attention_rate = gpu.bf16_tflops * 1e12 * cluster.attention_efficiency
 
@@ -117,15 +124,56 @@ def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -
         linear = (num_moe + num_dense) * 6 * lp.moe_layer.attention
         linear += num_dense * dense_mlp + num_moe * shared
         other -= linear
-    linear_rate = gpu.fp8_tflops * 1e12 * cluster.matmul_efficiency
     head = 6 * lp.outside.active if stage == layout.pp - 1 else 0
     tokens = microbatch_tokens(config, layout)
+    if fp8_experts(config, cluster):
+        expert_s = experts * ((2 / 3 + redo_experts) / fp8_rate + 1 / 3 / grouped_rate)
+    else:
+        expert_s = experts * (1 + redo_experts) / grouped_rate
+    linear_s = linear * ((2 / 3 + redo_all) / fp8_rate + 1 / 3 / dense_rate)
     return tokens * (
-        num_moe * experts * (1 + redo_experts) / expert_rate
+        num_moe * expert_s
         + (num_moe + num_dense) * attention * (1 + redo_all) / attention_rate
         + (other * (1 + redo_all) + head) / dense_rate
-        + linear * (1 + redo_all) / linear_rate
+        + linear_s
     )
+
+
+def _fp8_quantization_bytes(config: RunConfig, layout: Layout, stage: int) -> float:
+    """HBM bytes of one micro-batch's FP8 quantizations on a stage (read a bytes, write one,
+    per element): the experts' rows (x and the output gradient; the SwiGLU kernels write a's and
+    dh's FP8 rows as they go, one byte more each) and their weights in both layouts (the
+    forward's column-scaled pass reads them twice); the projections' inputs, output gradients
+    and weights. Recomputed forwards quantize again."""
+    m, moe = config.model, config.moe
+    a = precision_bytes(config).activation
+    p = precision_bytes(config).param
+    _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
+    tokens = microbatch_tokens(config, layout)
+    ckpt = layout.activation_checkpointing
+    total = 0.0
+    if config.precision.experts == "fp8_rowwise" and num_moe:
+        D, F = m.d_model, moe.expert_hidden
+        rows = expert_rows(config, layout.ep, tokens).rows
+        redo = ckpt in ("moe", "full")
+        forward_rows = rows * (D * (a + 1) + F)
+        backward_rows = rows * (D * (a + 1) + 2 * F)
+        weights = 3 * D * F * moe.num_experts // layout.ep
+        forward_weights = weights * (2 * p + 1)
+        backward_weights = weights * (p + 1)
+        per_layer = (1 + redo) * (forward_rows + forward_weights) + backward_rows + backward_weights
+        total += num_moe * per_layer
+    if config.precision.linear == "fp8_rowwise":
+        lp = layer_params(config)
+        q_out = (m.num_heads + 2 * m.kv_heads) * m.dim_per_head
+        attn_in = m.num_heads * m.dim_per_head
+        per_token = (m.d_model + attn_in) * (a + 1)  # the two projections' inputs
+        per_token += (q_out + m.d_model) * (a + 1)  # their output gradients
+        weights = 2 * lp.moe_layer.attention * (p + 1)  # both layouts
+        redo = 1 if ckpt == "full" else 0
+        layers = num_moe + num_dense
+        total += layers * (tokens * per_token * (1 + redo / 2) + weights * (1 + redo / 2))
+    return total
 
 
 def _elementwise_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -> float:
@@ -147,7 +195,8 @@ def _elementwise_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: i
                     "full": attention + norm + ffn,
                 }[ckpt]
             )
-    return (ELEMENTWISE_PASSES * saved + redone) / cluster.hbm_bps
+    quantized = _fp8_quantization_bytes(config, layout, stage)
+    return (ELEMENTWISE_PASSES * saved + redone + quantized) / cluster.hbm_bps
 
 
 def _all_to_all(
