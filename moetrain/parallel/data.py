@@ -50,7 +50,7 @@ class _Bucket:
     flat: torch.Tensor | None = None  # allocated once the bucket is closed
     offsets: list[int] = field(default_factory=list)
     ready: list[bool] = field(default_factory=list)
-    fresh: list[bool] = field(default_factory=list)  # nothing accumulated yet this step
+    unwritten: list[bool] = field(default_factory=list)  # per slot: nothing accumulated this step
     work: dist.Work | None = None
 
     def numel(self) -> int:
@@ -62,7 +62,7 @@ class _Bucket:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.flat = torch.empty(self.offsets[-1], dtype=self.dtype, device=self.params[0].device)
         self.ready = [False] * len(self.params)
-        self.fresh = [True] * len(self.params)
+        self.unwritten = [True] * len(self.params)
 
     def view(self, slot: int) -> torch.Tensor:
         return self.flat[self.offsets[slot] : self.offsets[slot + 1]].view_as(self.params[slot])
@@ -72,8 +72,8 @@ class _Bucket:
         is copied, so no memset pass is needed) and free it; one fused pass on the GPU."""
         grad = self.params[slot].grad
         if grad is not None:
-            accumulate_(self.view(slot), grad, first=self.fresh[slot])
-            self.fresh[slot] = False
+            accumulate_(self.view(slot), grad, first=self.unwritten[slot])
+            self.unwritten[slot] = False
             self.params[slot].grad = None
 
     def copy_in(self, slot: int) -> None:
@@ -81,7 +81,7 @@ class _Bucket:
         this rank: it contributes zero)."""
         if self.accumulate:
             self.collect(slot)  # a .grad written without the hook (a pipeline's weight pass)
-            if self.fresh[slot]:
+            if self.unwritten[slot]:
                 self.view(slot).zero_()
         elif self.params[slot].grad is None:
             self.view(slot).zero_()
@@ -215,7 +215,7 @@ class GradientSync:
                     param.grad.copy_(bucket.view(slot))
             bucket.work = None
             bucket.ready = [False] * len(bucket.params)
-            bucket.fresh = [True] * len(bucket.params)
+            bucket.unwritten = [True] * len(bucket.params)
         self._next_launch = 0
 
     def remove(self) -> None:
