@@ -233,6 +233,18 @@ def expert_pieces(x, w, g, offs) -> dict:
         "fp8 quantize weight (fwd)": lambda: quantized_weight(w, "D"),
         "fp8 quantize weight (fwd), bf16 copy first": lambda: quantize_rows(w.mT.contiguous()),
         "fp8 quantize weight (fwd), split amax + cast": lambda: split_column_kernels(w),
+        **{
+            f"fp8 quantize weight (fwd), one pass, tile {m}x{n}, {warps} warps": (
+                lambda tile=(m, n, warps): one_pass_column_kernel(w, tile)
+            )
+            for m, n, warps in (
+                (64, 64, 8),
+                (128, 64, 4),
+                (128, 64, 8),
+                (32, 128, 4),
+                (128, 128, 8),
+            )
+        },
         "fp8 product (fwd)": lambda: scaled_grouped_mm(*qx, *qwd, offs, bf16, False),
         "fp8 product fast accum (fwd)": lambda: scaled_grouped_mm(
             *qx, *qwd, offs, bf16, False, True
@@ -262,6 +274,18 @@ def split_column_kernels(w):
         return quant_triton.quantize_fp8_rowwise_triton(w, -2, transposed=True)
     finally:
         quant_triton.COLUMN_PROGRAMS_MIN = saved
+
+
+def one_pass_column_kernel(w, tile: tuple[int, int, int]):
+    """The weight's forward quantization by the one-pass kernel with another tile and warps."""
+    from moetrain.kernels import quant_triton
+
+    saved = quant_triton.COLUMN_TILE
+    quant_triton.COLUMN_TILE = tile
+    try:
+        return quant_triton.quantize_fp8_rowwise_triton(w, -2, transposed=True)
+    finally:
+        quant_triton.COLUMN_TILE = saved
 
 
 def swiglu_pieces(n: int, f: int, gen) -> dict:

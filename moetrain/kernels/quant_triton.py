@@ -42,6 +42,9 @@ from moetrain.kernels.triton_support import triton_available as triton_available
 # block's second read then comes from L2); otherwise a split amax over row blocks and a cast.
 COLUMN_PROGRAMS_MIN = 256
 COLUMN_ROWS_MAX = 16384
+# The one-pass kernel's tile (rows x columns of a step down the columns) and warps: the first
+# shape tried; benchmarks/fp8_training.py --parts experts sweeps others.
+COLUMN_TILE = (64, 64, 4)
 
 # Kernels may only read globals that are constexpr.
 _constexpr = tl.constexpr if triton is not None else (lambda value: value)
@@ -340,12 +343,14 @@ def quantize_fp8_rowwise_triton(
     b = x.shape[:dim].numel()
     m = x.shape[dim]
     n = x.shape[dim + 1 :].numel()
-    if b * triton.cdiv(n, 64) >= COLUMN_PROGRAMS_MIN and m <= COLUMN_ROWS_MAX:
+    tile_m, tile_n, warps = COLUMN_TILE
+    if b * triton.cdiv(n, tile_n) >= COLUMN_PROGRAMS_MIN and m <= COLUMN_ROWS_MAX:
         # enough column blocks to fill the GPU (expert weights): one kernel, one HBM pass
-        grid = (b, triton.cdiv(n, 64))
+        grid = (b, triton.cdiv(n, tile_n))
         _column_kernel[grid](
-            x, _q_arg(q, software_cast), scale, m, n, BLOCK_M=64, BLOCK_N=64,
-            NUM_M_BLOCKS=triton.cdiv(m, 64), SOFTWARE_CAST=software_cast, TRANSPOSED=transposed,
+            x, _q_arg(q, software_cast), scale, m, n, BLOCK_M=tile_m, BLOCK_N=tile_n,
+            NUM_M_BLOCKS=triton.cdiv(m, tile_m), SOFTWARE_CAST=software_cast,
+            TRANSPOSED=transposed, num_warps=warps,
         )  # fmt: skip
         return q, scale
     amax_bits = torch.zeros((b, n), dtype=torch.int32, device=x.device)

@@ -246,6 +246,7 @@ def test_triton_column_kernels_match_reference_interpreted(
     """Per-column scales by either kernel choice (one pass a column block, or split amax + cast),
     q in x's layout or transposed."""
     monkeypatch.setattr(interpreter, "COLUMN_PROGRAMS_MIN", 0 if one_pass else 10**9)
+    monkeypatch.setattr(interpreter, "COLUMN_TILE", (32, 16, 4))  # several tiles either way
     x = with_edge_values(random_input(shape, torch.bfloat16, seed=9))
     want = quantize_fp8_rowwise(x.mT, -1) if transposed else quantize_fp8_rowwise(x, -2)
     got = interpreter.quantize_fp8_rowwise_triton(x, -2, transposed=transposed)
