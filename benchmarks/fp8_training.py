@@ -53,7 +53,7 @@ VARIANTS = {  # name: (config overrides, FP8RowwiseGroupedGemm arguments other t
     "bf16": ([], {}),
     "fp8 experts": (FP8_EXPERTS, {}),
     "fp8 experts unfused": (FP8_EXPERTS, {"fuse_swiglu": False}),
-    "fp8 experts precise accum": (FP8_EXPERTS, {"use_fast_accum": False}),
+    "fp8 experts precise accum": ([*FP8_EXPERTS, "precision.fp8_fast_accum=false"], {}),
     "fp8 experts+linear": ([*FP8_EXPERTS, "precision.linear=fp8_rowwise"], {}),
 }
 
@@ -416,10 +416,10 @@ def expert_gemm(**gemm_args):
 
     make = build.make_grouped_gemm
     if gemm_args:
-        build.make_grouped_gemm = lambda recipe, device: (
-            FP8RowwiseGroupedGemm(device, **gemm_args)
+        build.make_grouped_gemm = lambda recipe, device, **kw: (
+            FP8RowwiseGroupedGemm(device, **kw, **gemm_args)
             if recipe == "fp8_rowwise"
-            else make(recipe, device)
+            else make(recipe, device, **kw)
         )
     try:
         yield

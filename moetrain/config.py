@@ -343,6 +343,9 @@ class PrecisionConfig:
     # dtype in which bf16 parameters' gradients accumulate over micro-batches and are reduced
     # over ranks (fp32: Megatron's main_grad, FSDP2's reduce dtype); fp32 parameters: fp32
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    # FP8 products (experts, linears) accumulate without CUTLASS's periodic promotion to fp32:
+    # up to 2.7x faster on the H200, a little less precise (benchmarks/RESULTS.md, session 13)
+    fp8_fast_accum: bool = True
 
     def __post_init__(self) -> None:
         s = "precision"

@@ -369,12 +369,15 @@ class _MXFP8Fn(torch.autograd.Function):
         return grad_x_ND, grad_w_eDF, None, None
 
 
-def make_grouped_gemm(recipe: str, device: torch.device | str) -> GroupedGemm:
+def make_grouped_gemm(
+    recipe: str, device: torch.device | str, *, use_fast_accum: bool = True
+) -> GroupedGemm:
     """The expert GEMM for a precision recipe on `device` (the device the step runs on).
 
-    "bf16": `torch._grouped_mm`. "fp8_rowwise": FP8 tensor cores on compute capability 9.x/10.x;
-    on the CPU an emulation (for tests and debugging); any other CUDA GPU raises ValueError.
-    "mxfp8": always the emulation (no MXFP8 grouped kernel exists for Hopper).
+    "bf16": `torch._grouped_mm`. "fp8_rowwise": FP8 tensor cores on compute capability 9.x/10.x
+    (fast accumulation unless `use_fast_accum=False`); on the CPU an emulation (for tests and
+    debugging); any other CUDA GPU raises ValueError. "mxfp8": always the emulation (no MXFP8
+    grouped kernel exists for Hopper).
     """
     device = torch.device(device)
     if recipe == "bf16":
@@ -387,7 +390,7 @@ def make_grouped_gemm(recipe: str, device: torch.device | str) -> GroupedGemm:
             raise ValueError(
                 f"precision.experts=fp8_rowwise is unavailable: {reason}; use 'bf16' or 'mxfp8' (emulation)"
             )
-        return FP8RowwiseGroupedGemm(device)
+        return FP8RowwiseGroupedGemm(device, use_fast_accum=use_fast_accum)
     if recipe == "mxfp8":
         return MXFP8EmulatedGroupedGemm(device)
     raise ValueError(

@@ -118,12 +118,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps) if qk_norm else None
         self.rope = RotaryEmbedding(head_dim, rope_theta, max_positions)
         self.fp8: str | None = None  # "fp8" or "fp8-emulated": projections in FP8 (nn.fp8)
+        self.fp8_fast_accum = True  # precision.fp8_fast_accum
 
     def project(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         """x @ cat(weights).T in the projections' precision (bf16, or FP8 row-scaled)."""
         if self.fp8 is None:
             return concat_linear(x, weights)
-        return fp8_linear(x, weights, emulate=self.fp8 == "fp8-emulated")
+        return fp8_linear(
+            x, weights, emulate=self.fp8 == "fp8-emulated", fast_accum=self.fp8_fast_accum
+        )
 
     def forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
         """Causal attention over the whole row, or within each of its `documents`."""

@@ -5,8 +5,9 @@ For y = x w^T with x (M, K) tokens and w (N, K):
     forward       y  = x  @ w^T    x scaled per token along K,   w per output row along K
     input grad    gx = gy @ w      gy scaled per token along N,  w per input column along N
     weight grad   gw = gy^T @ x    in the input precision (bf16), as for the experts
-Forward and input gradient use the kernel's fast accumulation: on the H200 it added 0.1-0.2e-3 to
-a 1.7e-3 error against fp32 math on the same operands at K = 1024-2048. The weight gradient in FP8
+Forward and input gradient use the kernel's fast accumulation unless `precision.fp8_fast_accum`
+is off: on the H200 it added 0.1-0.2e-3 to a 1.7e-3 error against fp32 math on the same operands
+at K = 1024-2048. The weight gradient in FP8
 needs both operands scaled along the tokens, two transposed quantizations that took 0.255 ms at
 olmoe8's output projection against 0.168 ms for the whole bf16 product (benchmarks/RESULTS.md,
 session 13), so it stays bf16 (its reduction over all tokens is also where fast accumulation
@@ -95,12 +96,12 @@ class _FP8Linear(torch.autograd.Function):
     gradient in x's precision; saves x and the weights themselves."""
 
     @staticmethod
-    def forward(ctx, x, emulate, *weights):  # type: ignore[override]
+    def forward(ctx, x, emulate, fast_accum, *weights):  # type: ignore[override]
         w_NK = weights[0] if len(weights) == 1 else torch.cat(weights)
         x_MK = x.reshape(-1, x.shape[-1])
-        y_MN = scaled_mm(*quantize_rows(x_MK), *quantize_rows(w_NK), x.dtype, emulate, True)
+        y_MN = scaled_mm(*quantize_rows(x_MK), *quantize_rows(w_NK), x.dtype, emulate, fast_accum)
         ctx.save_for_backward(x, *weights)
-        ctx.emulate = emulate
+        ctx.emulate, ctx.fast_accum = emulate, fast_accum
         return y_MN.view(*x.shape[:-1], w_NK.shape[0])
 
     @staticmethod
@@ -113,18 +114,21 @@ class _FP8Linear(torch.autograd.Function):
         # Both gradients, always: dynamo has been seen to read `ctx.needs_input_grad` as False
         # for inputs that need a gradient (pytorch/pytorch#160901), silently dropping it.
         g_q, g_scale = quantize_rows(g_MN)
-        grad_x = scaled_mm(g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, emulate, True)
+        grad_x = scaled_mm(g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, emulate, ctx.fast_accum)
         grad_w = (g_MN.T.to(x.dtype) @ x_MK).to(w_NK.dtype)
         grads_w = grad_w.split([w.shape[0] for w in weights])
         grad_x = grad_x.view(x.shape)
-        return grad_x, None, *grads_w
+        return grad_x, None, None, *grads_w
 
 
-def fp8_linear(x: torch.Tensor, weights: list[torch.Tensor], *, emulate: bool) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, weights: list[torch.Tensor], *, emulate: bool, fast_accum: bool = True
+) -> torch.Tensor:
     """x @ cat(weights)^T (nn.Linear weights stacked along their output dim) in FP8 row-scaled
-    precision, forward and input gradient (the weight gradient in x's precision). x: (..., K); every weight (N_i, K); K and every N_i
-    multiples of 16 (checked by `check_fp8_widths` at start-up)."""
-    return _FP8Linear.apply(x, emulate, *weights)
+    precision, forward and input gradient (the weight gradient in x's precision), with the
+    kernel's fast accumulation unless `fast_accum=False`. x: (..., K); every weight (N_i, K); K
+    and every N_i multiples of 16 (checked by `check_fp8_widths` at start-up)."""
+    return _FP8Linear.apply(x, emulate, fast_accum, *weights)
 
 
 def check_fp8_widths(name: str, **widths: int) -> None:

@@ -129,7 +129,9 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
         install_fp8_linears(model, config, device)
     if config.precision.experts == "bf16":
         return
-    gemm = make_grouped_gemm(config.precision.experts, device)
+    gemm = make_grouped_gemm(
+        config.precision.experts, device, use_fast_accum=config.precision.fp8_fast_accum
+    )
     for layer in model.moe_layers():
         layer.experts.gemm = gemm
     if gemm.emulated:
@@ -156,11 +158,13 @@ def install_fp8_linears(model: Transformer, config: RunConfig, device: torch.dev
             }
             check_fp8_widths("precision.linear=fp8_rowwise", **widths)
             module.fp8 = mode
+            module.fp8_fast_accum = config.precision.fp8_fast_accum
         elif isinstance(module, SwiGLU):
             check_fp8_widths(
                 "precision.linear=fp8_rowwise", d_model=m.d_model, hidden=module.hidden
             )
             module.fp8 = mode
+            module.fp8_fast_accum = config.precision.fp8_fast_accum
     if mode == "fp8-emulated":
         print("note: precision.linear=fp8_rowwise runs as an emulation: numerics, not speed")
 

@@ -60,3 +60,29 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_start_up_error(monkeypatch):
         config = tiny().with_overrides([f"{field}=fp8_rowwise"])
         with pytest.raises(ValueError, match=f"{field}=fp8_rowwise is unavailable: .*A100"):
             build.apply_precision(Transformer(config), config, cuda)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fp8_accumulation_choice_reaches_every_fp8_product(monkeypatch, fast):
+    """precision.fp8_fast_accum is what the expert GEMM of every MoE layer and every FP8 linear
+    is built with (a GPU with FP8 tensor cores stood in for: nothing runs here)."""
+    from moetrain.model.transformer import Transformer
+    from moetrain.moe import fp8_gemm
+    from moetrain.nn.attention import Attention
+    from moetrain.train import build
+
+    monkeypatch.setattr(build, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(fp8_gemm, "fp8_unsupported_reason", lambda device: None)
+    config = tiny().with_overrides(
+        [
+            "precision.experts=fp8_rowwise",
+            "precision.linear=fp8_rowwise",
+            f"precision.fp8_fast_accum={str(fast).lower()}",
+        ]
+    )
+    model = Transformer(config)
+    build.apply_precision(model, config, torch.device("cuda"))
+    gemms = [layer.experts.gemm for layer in model.moe_layers()]
+    assert gemms and all(not g.emulated and g.use_fast_accum is fast for g in gemms)
+    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    assert attention and all(m.fp8 == "fp8" and m.fp8_fast_accum is fast for m in attention)
