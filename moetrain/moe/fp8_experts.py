@@ -117,7 +117,6 @@ def _setup(ctx, inputs, output) -> None:
     _, h_N2F, a_NF = output
     ctx.mark_non_differentiable(h_N2F, a_NF)
     ctx.set_materialize_grads(False)
-    ctx.has_row_weights = w_N is not None
     ctx.save_for_backward(x_ND, h_N2F, a_NF, w_up_eD2F, w_down_eFD, offs_e, w_N)
     ctx.emulate, ctx.use_fast_accum = emulate, use_fast_accum
 
@@ -135,7 +134,7 @@ def _backward(ctx, grad_y_ND, _grad_h, _grad_a):
         grad_w_up,
         grad_w_down,
         None,
-        grad_w_N if ctx.has_row_weights else None,
+        grad_w_N if w_N is not None else None,
         None,
         None,
     )

@@ -146,8 +146,8 @@ def _fp8_quantization_bytes(config: RunConfig, layout: Layout, stage: int) -> fl
     forward's column-scaled pass reads them twice); the projections' inputs, output gradients
     and weights. Recomputed forwards quantize again."""
     m, moe = config.model, config.moe
-    a = precision_bytes(config).activation
-    p = precision_bytes(config).param
+    b = precision_bytes(config)
+    a, p = b.activation, b.param
     _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
     tokens = microbatch_tokens(config, layout)
     ckpt = layout.activation_checkpointing
