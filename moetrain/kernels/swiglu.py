@@ -93,32 +93,34 @@ def swiglu(h_N2F: torch.Tensor, w_N: torch.Tensor | None = None) -> torch.Tensor
 
 def swiglu_fp8(
     h_N2F: torch.Tensor, w_N: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, q, scale): `swiglu(h, w)` in h's dtype and the same rows in row-scaled FP8, equal to
-    `quant.quantize_fp8_rowwise(out)`. One Triton pass on a CUDA GPU (rows up to
-    `swiglu_triton.MAX_QUANTIZED_F` wide), the references elsewhere. Not differentiable."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): the rows of `swiglu(h, w)`, rounded to h's dtype, in row-scaled FP8, equal to
+    `quant.quantize_fp8_rowwise(swiglu(h, w))`; the bf16 rows themselves are not written. One
+    Triton pass on a CUDA GPU (rows up to `swiglu_triton.MAX_QUANTIZED_F` wide), the references
+    elsewhere. Not differentiable."""
     _check(h_N2F, w_N)
     if _fused_fp8(h_N2F):
         return swiglu_triton.swiglu_fp8_triton(h_N2F, None if w_N is None else w_N.float())
-    out_NF = swiglu_reference(h_N2F, w_N)
-    return out_NF, *quant.quantize_fp8_rowwise(out_NF)
+    return quant.quantize_fp8_rowwise(swiglu_reference(h_N2F, w_N))
 
 
 def swiglu_fp8_backward(
     h_N2F: torch.Tensor, grad_NF: torch.Tensor, w_N: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dh, q, scale, dw): the SwiGLU backward (`weighted_swiglu_backward_reference`) and dh's
-    rows in row-scaled FP8, equal to `quant.quantize_fp8_rowwise(dh)`; dw is None without row
-    weights. One Triton pass on a CUDA GPU, the references elsewhere. Not differentiable."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(dh, q, scale, dw, out): the SwiGLU backward (`weighted_swiglu_backward_reference`), dh's
+    rows in row-scaled FP8 (equal to `quant.quantize_fp8_rowwise(dh)`) and the forward's output
+    computed again, bit for bit `swiglu(h, w)`, for a caller that did not keep it; dw is None
+    without row weights. One Triton pass on a CUDA GPU, the references elsewhere. Not
+    differentiable."""
     _check(h_N2F, w_N)
     if _fused_fp8(h_N2F):
         w32_N = None if w_N is None else w_N.float()
-        dh_N2F, q_N2F, scale_N, dw_N = swiglu_triton.swiglu_fp8_backward_triton(
+        dh_N2F, q_N2F, scale_N, dw_N, out_NF = swiglu_triton.swiglu_fp8_backward_triton(
             h_N2F, grad_NF, w32_N
         )
-        return dh_N2F, q_N2F, scale_N, None if dw_N is None else dw_N.to(w_N.dtype)
+        return dh_N2F, q_N2F, scale_N, None if dw_N is None else dw_N.to(w_N.dtype), out_NF
     dh_N2F, dw_N = weighted_swiglu_backward_reference(h_N2F, grad_NF, w_N)
-    return dh_N2F, *quant.quantize_fp8_rowwise(dh_N2F), dw_N
+    return dh_N2F, *quant.quantize_fp8_rowwise(dh_N2F), dw_N, swiglu_reference(h_N2F, w_N)
 
 
 def _fused_fp8(h_N2F: torch.Tensor) -> bool:

@@ -47,10 +47,12 @@ def _swiglu_forward_kernel(
     h_ptr, w_ptr, out_ptr, q_ptr, scale_ptr, N, F, stride_h,
     HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
     EVEN_F: tl.constexpr, QUANTIZE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
+    STORE_OUT: tl.constexpr = True,
 ):  # fmt: skip
-    """out[n, j] = silu(h[n, j]) * h[n, F + j] (times w[n] with weights) on one tile. QUANTIZE
-    (the tile then spans whole rows) also writes the rows of out, as rounded, in row-scaled FP8:
-    q and one fp32 scale a row, the bits `quant.quantize_fp8_rowwise(out)` gives."""
+    """out[n, j] = silu(h[n, j]) * h[n, F + j] (times w[n] with weights) on one tile, rounded to
+    h's dtype. QUANTIZE (the tile then spans whole rows) also writes the rows of out, as rounded,
+    in row-scaled FP8: q and one fp32 scale a row, the bits `quant.quantize_fp8_rowwise(out)`
+    gives; without STORE_OUT only those."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
@@ -61,8 +63,9 @@ def _swiglu_forward_kernel(
     if HAS_WEIGHTS:
         out = out * tl.load(w_ptr + rows, mask=rows < N, other=0.0)[:, None]
     out_offsets = rows[:, None] * F + cols[None, :]
-    out = out.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + out_offsets, out, mask=mask)
+    out = out.to(h_ptr.dtype.element_ty)
+    if STORE_OUT:
+        tl.store(out_ptr + out_offsets, out, mask=mask)
     if QUANTIZE:  # masked columns hold silu(0) * 0 = 0: they leave amax alone
         out = out.to(tl.float32)
         inv, scale = _scales_from_amax(tl.max(_finite_abs(out), axis=1))
@@ -72,15 +75,18 @@ def _swiglu_forward_kernel(
 
 @_jit
 def _swiglu_backward_kernel(
-    h_ptr, grad_ptr, w_ptr, dh_ptr, dw_ptr, q_ptr, scale_ptr, N, F, stride_h, stride_grad,
-    HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+    h_ptr, grad_ptr, w_ptr, dh_ptr, dw_ptr, q_ptr, scale_ptr, out_ptr, N, F, stride_h,
+    stride_grad, HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
     EVEN_F: tl.constexpr, QUANTIZE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
+    STORE_OUT: tl.constexpr = False,
 ):  # fmt: skip
     """dh[n, j] = dgate, dh[n, F + j] = dup of (gate, up, grad) at (n, j), on one tile. With
     weights the incoming grad is scaled by w[n] first, and the tile's part of dw[n] = sum_j
     grad[n, j] * silu(gate) * up lands in dw[n, program_id(1)] (fp32; the op sums the column
     blocks). QUANTIZE (whole rows a tile) also writes the (N, 2F) rows of dh, as rounded, in
-    row-scaled FP8 (q, one scale a row over both halves)."""
+    row-scaled FP8 (q, one scale a row over both halves). STORE_OUT also writes the forward's
+    output out[n, j] again, the bits the forward kernel computes (the same expression), so a
+    caller need not keep it from forward to backward."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
@@ -92,12 +98,19 @@ def _swiglu_backward_kernel(
     s = 1.0 / (1.0 + tl.exp(-gate))
     grad_w = grad
     if HAS_WEIGHTS:
-        grad_w = grad * tl.load(w_ptr + rows, mask=rows < N, other=0.0)[:, None]
+        w = tl.load(w_ptr + rows, mask=rows < N, other=0.0)[:, None]
+        grad_w = grad * w
+    if STORE_OUT:  # written as in the forward kernel, for the same bits
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        if HAS_WEIGHTS:
+            out = out * w
+        out = out.to(h_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * F + cols[None, :], out, mask=mask)
     dgate = grad_w * up * s * (1.0 + gate * (1.0 - s))
     dup = grad_w * gate * s
     dh_offsets = rows[:, None] * (2 * F) + cols[None, :]
-    dgate = dgate.to(dh_ptr.dtype.element_ty)
-    dup = dup.to(dh_ptr.dtype.element_ty)
+    dgate = dgate.to(h_ptr.dtype.element_ty)
+    dup = dup.to(h_ptr.dtype.element_ty)
     tl.store(dh_ptr + dh_offsets, dgate, mask=mask)
     tl.store(dh_ptr + dh_offsets + F, dup, mask=mask)
     if QUANTIZE:  # masked columns are 0 (gate, up and grad load as 0)
@@ -152,25 +165,32 @@ def _quantized_outputs(q, scale):
 
 def launch_forward(h_N2F, out_NF, w_N=None, config=None, wrap=None, q_NF=None, scale_N=None):
     """out_NF = silu(gate) * up (times w_N[n] per row when given); with q_NF and scale_N also
-    out's rows in row-scaled FP8 (the config must then be `quantizing_config`). `wrap` is
-    `wrap_triton` inside an op; the benchmark's sweep launches raw kernels."""
-    N, F = out_NF.shape
+    out's rows in row-scaled FP8 (the config must then be `quantizing_config`), and out_NF may
+    be None to write only those. `wrap` is `wrap_triton` inside an op; the benchmark's sweep
+    launches raw kernels."""
+    N, F = h_N2F.shape[0], h_N2F.shape[1] // 2
     flags, q, scale = _quantized_outputs(q_NF, scale_N)
+    if out_NF is None and q is None:
+        raise ValueError("launch_forward: nothing to write (no out_NF and no q_NF)")
     cfg = config or (quantizing_config(F) if flags["QUANTIZE"] else launch_config(F))
     kernel = wrap(_swiglu_forward_kernel) if wrap else _swiglu_forward_kernel
-    w = out_NF if w_N is None else w_N  # dummy pointers when unused
+    out = q if out_NF is None else out_NF  # dummy pointers when unused
+    w = out if w_N is None else w_N
     kernel[_grid(N, F, cfg)](
-        h_N2F, w, out_NF, out_NF if q is None else q, out_NF if scale is None else scale,
-        N, F, h_N2F.stride(0), HAS_WEIGHTS=w_N is not None, **flags, **cfg,
+        h_N2F, w, out, out if q is None else q, out if scale is None else scale,
+        N, F, h_N2F.stride(0), HAS_WEIGHTS=w_N is not None, STORE_OUT=out_NF is not None,
+        **flags, **cfg,
     )  # fmt: skip
 
 
 def launch_backward(
-    h_N2F, grad_NF, dh_N2F, w_N=None, dw_NB=None, config=None, wrap=None, q_N2F=None, scale_N=None
-):
+    h_N2F, grad_NF, dh_N2F, w_N=None, dw_NB=None, config=None, wrap=None, q_N2F=None,
+    scale_N=None, out_NF=None,
+):  # fmt: skip
     """dh_N2F = [dgate | dup] of swiglu at h_N2F for the incoming grad_NF; with row weights
     w_N, dw_NB[n, b] is column block b's part of the weight's gradient (B = the grid's column
-    blocks, `num_column_blocks`); with q_N2F and scale_N also dh's rows in row-scaled FP8."""
+    blocks, `num_column_blocks`); with q_N2F and scale_N also dh's rows in row-scaled FP8; with
+    out_NF also the forward's output again (bit for bit `launch_forward`'s)."""
     N, F = grad_NF.shape
     flags, q, scale = _quantized_outputs(q_N2F, scale_N)
     if config is None and flags["QUANTIZE"]:
@@ -180,8 +200,9 @@ def launch_backward(
     w, dw = (dh_N2F, dh_N2F) if w_N is None else (w_N, dw_NB)  # dummy pointers when unused
     kernel[_grid(N, F, cfg)](
         h_N2F, grad_NF, w, dh_N2F, dw, dh_N2F if q is None else q,
-        dh_N2F if scale is None else scale, N, F, h_N2F.stride(0), grad_NF.stride(0),
-        HAS_WEIGHTS=w_N is not None, **flags, **cfg,
+        dh_N2F if scale is None else scale, dh_N2F if out_NF is None else out_NF,
+        N, F, h_N2F.stride(0), grad_NF.stride(0), HAS_WEIGHTS=w_N is not None,
+        STORE_OUT=out_NF is not None, **flags, **cfg,
     )  # fmt: skip
 
 
@@ -260,35 +281,40 @@ if triton is not None:
 
 def swiglu_fp8_triton(
     h_N2F: torch.Tensor, w_N: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, q, scale): `swiglu` and its rows in row-scaled FP8, one pass. Not differentiable
-    (the FP8 experts' op calls it from its own forward)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): the rows of `swiglu` (rounded to h's dtype) in row-scaled FP8, one pass that
+    writes nothing else. Not differentiable (the FP8 experts' op calls it from its own
+    forward)."""
     h_N2F = _rows("swiglu_fp8", h_N2F)
     N, F = h_N2F.shape[0], h_N2F.shape[1] // 2
     w_N = _row_weights("swiglu_fp8", w_N, N)
-    out_NF = h_N2F.new_empty((N, F))
     q_NF = torch.empty((N, F), dtype=torch.float8_e4m3fn, device=h_N2F.device)
     scale_N = torch.empty((N,), dtype=torch.float32, device=h_N2F.device)
-    if out_NF.numel():
-        launch_forward(h_N2F, out_NF, w_N, q_NF=q_NF, scale_N=scale_N)
-    return out_NF, q_NF, scale_N
+    if q_NF.numel():
+        launch_forward(h_N2F, None, w_N, q_NF=q_NF, scale_N=scale_N)
+    return q_NF, scale_N
 
 
 def swiglu_fp8_backward_triton(
     h_N2F: torch.Tensor, grad_NF: torch.Tensor, w_N: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dh, q, scale, dw): the SwiGLU backward and dh's rows in row-scaled FP8, one pass; dw is
-    the row weights' fp32 gradient, or None without them."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(dh, q, scale, dw, out): the SwiGLU backward, dh's rows in row-scaled FP8 and the
+    forward's output written again (`swiglu(h, w)`, bit for bit), one pass; dw is the row
+    weights' fp32 gradient, or None without them."""
     h_N2F, grad_NF = _rows("swiglu_fp8_backward", h_N2F), _rows("swiglu_fp8_backward", grad_NF)
     N, F = grad_NF.shape
     w_N = _row_weights("swiglu_fp8_backward", w_N, N)
     dh_N2F = h_N2F.new_empty(h_N2F.shape)
+    out_NF = h_N2F.new_empty((N, F))
     q_N2F = torch.empty(h_N2F.shape, dtype=torch.float8_e4m3fn, device=h_N2F.device)
     scale_N = torch.empty((N,), dtype=torch.float32, device=h_N2F.device)
     dw_NB = None if w_N is None else grad_NF.new_zeros((N, 1), dtype=torch.float32)
     if dh_N2F.numel():
-        launch_backward(h_N2F, grad_NF, dh_N2F, w_N, dw_NB, q_N2F=q_N2F, scale_N=scale_N)
-    return dh_N2F, q_N2F, scale_N, None if dw_NB is None else dw_NB.view(N)
+        launch_backward(
+            h_N2F, grad_NF, dh_N2F, w_N, dw_NB, q_N2F=q_N2F, scale_N=scale_N, out_NF=out_NF
+        )
+    dw_N = None if dw_NB is None else dw_NB.view(N)
+    return dh_N2F, q_N2F, scale_N, dw_N, out_NF
 
 
 def supports(h_N2F: torch.Tensor) -> bool:

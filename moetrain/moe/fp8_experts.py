@@ -4,22 +4,25 @@ the kernels that produce the rows.
 Letters: N rows (grouped by expert), D model dim, F expert hidden, e local experts.
 
     h_N2F = x_ND @ w_up_eD2F          FP8: x quantized here (one pass; the rows arrive in bf16)
-    a_NF  = w_N * silu(gate) * up     the SwiGLU kernel also writes a's rows in FP8
+    a_NF  = w_N * silu(gate) * up     the SwiGLU kernel writes a's rows in FP8 only
     y_ND  = a_NF @ w_down_eFD         FP8
 backward:
     ga_NF = gy_ND @ w_down^T          FP8: gy quantized here
-    dh_N2F = swiglu backward          the SwiGLU backward kernel also writes dh's rows in FP8
+    dh_N2F = swiglu backward          the SwiGLU backward kernel also writes dh's rows in FP8,
+                                      and a again in bf16 (for gw_down)
     gx_ND = dh_N2F @ w_up^T           FP8
     gw_up = x^T dh, gw_down = a^T gy  bf16 (`torch._grouped_mm`; see moe/fp8_gemm.py for why)
 
 Composed of per-product ops (`fp8_grouped_mm` twice around `swiglu`), the SwiGLU output and its
 gradient would each be written in bf16 and read back by a separate quantization pass: the
 product's backward receives its gradient from autograd in bf16 only. One op with its own backward
-lets the SwiGLU kernels emit the FP8 rows as they write the bf16 ones (which the weight gradients
-still need). Every product and quantization is the one `FP8RowwiseGroupedGemm` and `swiglu`
-compute, so the results equal that composition (bit for bit in the CPU emulation; on the GPU up to
-the SwiGLU kernels' own rounding, which the plain path shares). Saved for the backward: x, h and
-a, as in the composed path. Like `fp8_grouped_mm`, two opaque torch.library ops with a registered
+lets the SwiGLU kernels emit the FP8 rows (and dh's bf16 rows, which gw_up needs). Every
+product and quantization is the one `FP8RowwiseGroupedGemm` and `swiglu` compute, so the results
+equal that composition (bit for bit in the CPU emulation; on the GPU up to the SwiGLU kernels' own
+rounding, which the plain path shares). Saved for the backward: x and h. The composed path also
+keeps a (N x F) from forward to backward, for gw_down; here the SwiGLU backward, which reads h
+anyway, writes a again, bit for bit: one N x F write more a layer in the backward, one less in the
+forward, and N x F less memory held per layer (268 MB a layer of olmoe8). Like `fp8_grouped_mm`, two opaque torch.library ops with a registered
 autograd formula: compiled blocks trace them without a graph break, the step can be CUDA-graphed.
 """
 
@@ -42,28 +45,24 @@ def fp8_swiglu_experts_op(
     emulate: bool,
     use_fast_accum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, a): the MLP's output and the two activations its backward reads."""
+    """(y, h): the MLP's output and the activation its backward reads (with x)."""
     dtype = x_ND.dtype
     h_N2F = scaled_grouped_mm(
         *quantize_rows(x_ND), *quantized_weight(w_up_eD2F, "D"), offs_e, dtype,
         emulate, use_fast_accum,
     )  # fmt: skip
-    a_NF, a_q_NF, a_scale_N = swiglu_fp8(h_N2F, w_N)
+    a_q_NF, a_scale_N = swiglu_fp8(h_N2F, w_N)
     y_ND = scaled_grouped_mm(
         a_q_NF, a_scale_N, *quantized_weight(w_down_eFD, "D"), offs_e, dtype,
         emulate, use_fast_accum,
     )  # fmt: skip
-    return y_ND, h_N2F, a_NF
+    return y_ND, h_N2F
 
 
 @fp8_swiglu_experts_op.register_fake
 def _(x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum):
-    n, f2 = x_ND.shape[0], w_up_eD2F.shape[2]
-    return (
-        x_ND.new_empty((n, w_down_eFD.shape[2])),
-        x_ND.new_empty((n, f2)),
-        x_ND.new_empty((n, f2 // 2)),
-    )
+    n = x_ND.shape[0]
+    return x_ND.new_empty((n, w_down_eFD.shape[2])), x_ND.new_empty((n, w_up_eD2F.shape[2]))
 
 
 @torch.library.custom_op("moetrain::fp8_swiglu_experts_backward", mutates_args=())
@@ -71,7 +70,6 @@ def fp8_swiglu_experts_backward(
     grad_y_ND: torch.Tensor,
     x_ND: torch.Tensor,
     h_N2F: torch.Tensor,
-    a_NF: torch.Tensor,
     w_up_eD2F: torch.Tensor,
     w_down_eFD: torch.Tensor,
     offs_e: torch.Tensor,
@@ -86,10 +84,10 @@ def fp8_swiglu_experts_backward(
         *quantize_rows(grad_y_ND), *quantized_weight(w_down_eFD, "F"), offs_e, dtype,
         emulate, use_fast_accum,
     )  # fmt: skip
+    grad_h_N2F, grad_h_q, grad_h_scale, grad_w_N, a_NF = swiglu_fp8_backward(h_N2F, grad_a_NF, w_N)
+    del grad_a_NF  # each temporary goes as soon as it is read: the peak is one layer's backward
     grad_w_down = _grouped_weight_grad(a_NF, grad_y_ND, offs_e).to(w_down_eFD.dtype)
-    del grad_y_ND  # each temporary goes as soon as it is read: the peak is one layer's backward
-    grad_h_N2F, grad_h_q, grad_h_scale, grad_w_N = swiglu_fp8_backward(h_N2F, grad_a_NF, w_N)
-    del grad_a_NF
+    del grad_y_ND, a_NF
     grad_x_ND = scaled_grouped_mm(
         grad_h_q, grad_h_scale, *quantized_weight(w_up_eD2F, "F"), offs_e, dtype,
         emulate, use_fast_accum,
@@ -102,7 +100,7 @@ def fp8_swiglu_experts_backward(
 
 
 @fp8_swiglu_experts_backward.register_fake
-def _(grad_y_ND, x_ND, h_N2F, a_NF, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum):
+def _(grad_y_ND, x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum):
     grad_w_N = x_ND.new_empty((0,), dtype=torch.float32) if w_N is None else torch.empty_like(w_N)
     return (
         torch.empty_like(x_ND),
@@ -114,19 +112,19 @@ def _(grad_y_ND, x_ND, h_N2F, a_NF, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate,
 
 def _setup(ctx, inputs, output) -> None:
     x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum = inputs
-    _, h_N2F, a_NF = output
-    ctx.mark_non_differentiable(h_N2F, a_NF)
+    _, h_N2F = output
+    ctx.mark_non_differentiable(h_N2F)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x_ND, h_N2F, a_NF, w_up_eD2F, w_down_eFD, offs_e, w_N)
+    ctx.save_for_backward(x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N)
     ctx.emulate, ctx.use_fast_accum = emulate, use_fast_accum
 
 
-def _backward(ctx, grad_y_ND, _grad_h, _grad_a):
-    x_ND, h_N2F, a_NF, w_up_eD2F, w_down_eFD, offs_e, w_N = ctx.saved_tensors
+def _backward(ctx, grad_y_ND, _grad_h):
+    x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N = ctx.saved_tensors
     if grad_y_ND is None:  # y unused: nothing flows back
         grad_y_ND = x_ND.new_zeros((x_ND.shape[0], w_down_eFD.shape[2]))
     grad_x, grad_w_up, grad_w_down, grad_w_N = fp8_swiglu_experts_backward(
-        grad_y_ND, x_ND, h_N2F, a_NF, w_up_eD2F, w_down_eFD, offs_e, w_N,
+        grad_y_ND, x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N,
         ctx.emulate, ctx.use_fast_accum,
     )  # fmt: skip
     return (
@@ -157,7 +155,7 @@ def fp8_swiglu_experts(
     in x, both weights and the row weights w_N (float32, optional)."""
     if w_N is not None and w_N.dtype != torch.float32:
         w_N = w_N.float()
-    y_ND, _, _ = fp8_swiglu_experts_op(
+    y_ND, _ = fp8_swiglu_experts_op(
         x_ND.contiguous(), w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum
     )
     return y_ND

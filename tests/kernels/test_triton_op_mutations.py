@@ -106,6 +106,12 @@ def test_swiglu_kernels_write_only_their_outputs(F_):
         lambda w: s.launch_backward(h, grad, torch.empty_like(h), w_N, dw, wrap=w),
         {"dh_ptr", "dw_ptr"},
     )
+    assert_writes_only(  # the forward's output written again
+        lambda w: s.launch_backward(
+            h, grad, torch.empty_like(h), w_N, dw, wrap=w, out_NF=torch.empty_like(grad)
+        ),
+        {"dh_ptr", "dw_ptr", "out_ptr"},
+    )
 
 
 @pytest.mark.parametrize("D", [1024, 8192 + 64])  # one block per row, and several

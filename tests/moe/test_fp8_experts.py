@@ -116,6 +116,31 @@ def test_fused_mlp_compiles_without_a_graph_break():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def saved_rows(experts, x, row_w, offs) -> list[tuple[int, ...]]:
+    """Shapes of the row-indexed activations (2-D, one row per x row) the forward saves."""
+    shapes = []
+
+    def pack(t):
+        if t.dim() == 2 and t.shape[0] == x.shape[0]:
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(x, offs, row_w)
+    return shapes
+
+
+def test_fused_mlp_holds_x_and_h_alone_for_the_backward():
+    """The SwiGLU output a (N x F) is written again by the backward instead of being held: the
+    fused op keeps x and h, the composed products x, h and a."""
+    x, w_up, w_down, row_w, offs, g = problem(COUNTS, NUM_ROWS, D, F, dtype=torch.float32, device="cpu", seed=8)  # fmt: skip
+    args = (x, w_up, w_down, row_w, offs, g)
+    fused = saved_rows(*build(FP8RowwiseGroupedGemm("cpu"), *args), offs)
+    composed = saved_rows(*build(FP8RowwiseGroupedGemm("cpu", fuse_swiglu=False), *args), offs)
+    assert sorted(fused) == [(NUM_ROWS, D), (NUM_ROWS, 2 * F)]
+    assert sorted(composed) == [(NUM_ROWS, F), (NUM_ROWS, D), (NUM_ROWS, 2 * F)]
+
+
 def test_mismatched_expert_weights_are_an_error():
     x, w_up, w_down, row_w, offs, _ = problem([3, 5], 8, 64, 32, dtype=torch.float32, device="cpu", seed=4)  # fmt: skip
     with pytest.raises(ValueError, match=r"w_down \(e, F, D\)"):
