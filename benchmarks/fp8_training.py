@@ -22,7 +22,8 @@ the same shapes in the same job, then whole training steps.
    replace; then the SwiGLU with its quantization apart and fused, and the fused kernels' tiles.
 4. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16 and in
    the FP8 variants of VARIANTS (experts; experts composed per product; experts with precise
-   accumulation; experts and projections): median ms, peak GiB, graphed or not.
+   accumulation; experts and projections; and the LM head): median ms, peak GiB, graphed or
+   not.
 
 Prediction (olmoe8, H200, from the FLOP split in the FP8 issue): the expert GEMMs' forward and
 input gradient are ~38% of the FLOPs and run ~1.3x faster in FP8 (926 vs 720 TFLOP/s), the
@@ -55,6 +56,10 @@ VARIANTS = {  # name: (config overrides, FP8RowwiseGroupedGemm arguments other t
     "fp8 experts unfused": (FP8_EXPERTS, {"fuse_swiglu": False}),
     "fp8 experts precise accum": ([*FP8_EXPERTS, "precision.fp8_fast_accum=false"], {}),
     "fp8 experts+linear": ([*FP8_EXPERTS, "precision.linear=fp8_rowwise"], {}),
+    "fp8 experts+linear+head": (
+        [*FP8_EXPERTS, "precision.linear=fp8_rowwise", "precision.lm_head=fp8_rowwise"],
+        {},
+    ),
 }
 
 
@@ -238,11 +243,11 @@ def expert_pieces(x, w, g, offs) -> dict:
                 lambda tile=(m, n, warps): one_pass_column_kernel(w, tile)
             )
             for m, n, warps in (
-                (64, 64, 8),
-                (128, 64, 4),
-                (128, 64, 8),
-                (32, 128, 4),
-                (128, 128, 8),
+                (64, 64, 4),
+                (256, 64, 8),
+                (4096, 16, 8),  # the whole column block in registers (M <= 4096)
+                (4096, 16, 16),
+                (4096, 32, 16),
             )
         },
         "fp8 product (fwd)": lambda: scaled_grouped_mm(*qx, *qwd, offs, bf16, False),

@@ -337,8 +337,10 @@ class PrecisionConfig:
     master_weights: bool = True  # keep fp32 master weights and moments when params are bf16
     experts: Literal["bf16", "fp8_rowwise", "mxfp8"] = "bf16"
     # the attention projections (q, k, v, o) and dense SwiGLUs (dense layers, shared experts);
-    # the router and the LM head stay bf16
+    # the router stays bf16
     linear: Literal["bf16", "fp8_rowwise"] = "bf16"
+    # the LM head's logits and input gradient (its weight gradient stays bf16)
+    lm_head: Literal["bf16", "fp8_rowwise"] = "bf16"
     dispatch: Literal["bf16", "fp8"] = "bf16"
     # dtype in which bf16 parameters' gradients accumulate over micro-batches and are reduced
     # over ranks (fp32: Megatron's main_grad, FSDP2's reduce dtype); fp32 parameters: fp32
@@ -353,6 +355,7 @@ class PrecisionConfig:
         _choice(s, self, "grad_dtype", ("fp32", "bf16"))
         _choice(s, self, "experts", ("bf16", "fp8_rowwise", "mxfp8"))
         _choice(s, self, "linear", ("bf16", "fp8_rowwise"))
+        _choice(s, self, "lm_head", ("bf16", "fp8_rowwise"))
         _choice(s, self, "dispatch", ("bf16", "fp8"))
 
 

@@ -467,3 +467,33 @@ def test_fp8_experts_move_forward_and_input_gradient_to_the_fp8_rate(checkpointi
     assert quantized > 0
     extra = _elementwise_s(fp8, cluster, layout, 0) - _elementwise_s(config, cluster, layout, 0)
     assert extra == pytest.approx(quantized / cluster.hbm_bps)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_fp8_lm_head_moves_the_head_to_the_fp8_rate_on_the_last_stage(pp):
+    """precision.lm_head=fp8_rowwise: two thirds of the head's 6 V D FLOPs a token at the FP8
+    rate, on the last pipeline stage only, with its quantizations' bytes there."""
+    from moetrain.plan.timing import _fp8_quantization_bytes, _matmul_s
+
+    config = get_preset("olmoe8")
+    fp8 = config.with_overrides(["precision.lm_head=fp8_rowwise"])
+    cluster = P.Cluster(gpu=P.GPUS["h200"], num_gpus=pp)
+    layout = P.Layout(pp=pp, dp=1, ep=1, micro_batch_size=config.train.micro_batch_size)
+    m, t, gpu = config.model, config.train, P.GPUS["h200"]
+    flops = 6 * m.vocab_size * m.d_model * t.micro_batch_size * t.seq_len
+    expected = (
+        flops
+        * 2
+        / 3
+        * (
+            1 / (gpu.bf16_tflops * cluster.matmul_efficiency * 1e12)
+            - 1 / (gpu.fp8_tflops * cluster.fp8_efficiency * 1e12)
+        )
+    )
+    last = pp - 1
+    saved = _matmul_s(config, cluster, layout, last) - _matmul_s(fp8, cluster, layout, last)
+    assert saved == pytest.approx(expected, rel=1e-3)
+    assert _fp8_quantization_bytes(fp8, layout, last) > 0
+    if pp > 1:
+        assert _matmul_s(fp8, cluster, layout, 0) == _matmul_s(config, cluster, layout, 0)
+        assert _fp8_quantization_bytes(fp8, layout, 0) == 0

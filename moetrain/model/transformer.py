@@ -71,6 +71,9 @@ class Transformer(nn.Module):
         self.lm_head: nn.Linear | None = (
             None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
         )
+        # precision.lm_head=fp8_rowwise: "fp8" or "fp8-emulated" (nn.loss); set at build time
+        self.lm_head_fp8: str | None = None
+        self.lm_head_fp8_fast_accum = True
 
     def forward(
         self, tokens_or_hidden: torch.Tensor, input_ids: torch.Tensor | None = None
@@ -111,7 +114,11 @@ class Transformer(nn.Module):
         """Mean next-token cross-entropy (fp32) of final hidden states, without full logits."""
         D = h_BSD.shape[-1]
         return chunked_linear_cross_entropy(
-            h_BSD.reshape(-1, D), self.head_weight(), targets_BS.reshape(-1)
+            h_BSD.reshape(-1, D),
+            self.head_weight(),
+            targets_BS.reshape(-1),
+            fp8=self.lm_head_fp8,
+            fast_accum=self.lm_head_fp8_fast_accum,
         )
 
     def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,12 @@ The chunk's loss and softmax-minus-onehot: on CUDA with Triton (bf16, fp16, fp32
 Triton kernel (`moetrain.kernels.cross_entropy_triton`: 0.304 ms for 4096 x 50304 bf16 on an
 H200, against 0.465 ms for the compiled torch chunk and 0.195 ms for a copy of the chunk); else
 `_chunk_loss_and_grad`, its reference twin, compiled on CUDA and eager on CPU.
+
+`fp8="fp8"` (`precision.lm_head=fp8_rowwise`) takes the logits and the input gradient as FP8
+row-scaled products (`nn.fp8.scaled_mm`): each chunk of h and of the logits' gradient quantized
+per row, the weight once a call in both layouts (per vocabulary row for the logits, per column for
+the input gradient); the weight gradient stays bf16, as for the FP8 linears. "fp8-emulated" is the
+same numerics in fp32 math (the CPU).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.kernels import cross_entropy_triton
+from moetrain.nn.fp8 import quantize_rows, quantize_rows_of_transpose, scaled_mm
 
 
 def _chunk_loss_and_grad(logits_CV: torch.Tensor, t_C: torch.Tensor, scale: float):
@@ -59,7 +66,7 @@ def _chunk_fn(device: torch.device, dtype: torch.dtype):
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, w_VD, targets_T, chunk_size: int):  # type: ignore[override]
+    def forward(ctx, h_TD, w_VD, targets_T, chunk_size: int, fp8, fast_accum):  # type: ignore[override]
         num_tokens = h_TD.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc_dtype = torch.promote_types(h_TD.dtype, torch.float32)  # fp32, or fp64 in tests
@@ -69,15 +76,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_w_VD = torch.empty_like(w_VD) if num_tokens else torch.zeros_like(w_VD)
         loss_sum = torch.zeros((), dtype=acc_dtype, device=h_TD.device)
         chunk_loss_and_grad = _chunk_fn(h_TD.device, h_TD.dtype)  # the logits' device and dtype
+        products = _Products(w_VD, need_h, fp8, fast_accum, h_TD.dtype)
         for start in range(0, num_tokens, chunk_size):
             h_CD = h_TD[start : start + chunk_size]
-            logits_CV = h_CD @ w_VD.T
+            logits_CV = products.logits(h_CD)
             loss, grad_CV = chunk_loss_and_grad(
                 logits_CV, targets_T[start : start + chunk_size], 1.0 / num_tokens
             )
+            del logits_CV
             loss_sum += loss
             if need_h:
-                grad_h_TD[start : start + chunk_size] = grad_CV @ w_VD
+                grad_h_TD[start : start + chunk_size] = products.grad_h(grad_CV)
             if need_w and start == 0:  # the first chunk writes, no zero-filled buffer to read
                 torch.mm(grad_CV.T, h_CD, out=grad_w_VD)
             elif need_w:  # accumulated in the weight's dtype inside the GEMM (beta = 1)
@@ -90,14 +99,50 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
         grad_h = grad_h_TD * grad_loss.to(grad_h_TD.dtype) if grad_h_TD is not None else None
         grad_w = grad_w_VD * grad_loss.to(grad_w_VD.dtype) if grad_w_VD is not None else None
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None, None
+
+
+class _Products:
+    """The head's two token-side products, h @ w^T and grad @ w: bf16 (or the inputs' dtype),
+    or FP8 row-scaled with the weight quantized once for all chunks."""
+
+    def __init__(self, w_VD, need_h: bool, fp8: str | None, fast_accum: bool, dtype) -> None:
+        self.w_VD, self.fp8, self.fast_accum, self.dtype = w_VD, fp8, fast_accum, dtype
+        self.emulate = fp8 == "fp8-emulated"
+        if fp8 is not None:
+            self.w_rows = quantize_rows(w_VD)  # per vocabulary row, along D
+            self.w_columns = quantize_rows_of_transpose(w_VD) if need_h else None  # along V
+
+    def logits(self, h_CD: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is None:
+            return h_CD @ self.w_VD.T
+        return scaled_mm(
+            *quantize_rows(h_CD), *self.w_rows, self.dtype, self.emulate, self.fast_accum
+        )
+
+    def grad_h(self, grad_CV: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is None:
+            return grad_CV @ self.w_VD
+        return scaled_mm(
+            *quantize_rows(grad_CV), *self.w_columns, self.dtype, self.emulate, self.fast_accum
+        )
 
 
 def chunked_linear_cross_entropy(
-    h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor, chunk_size: int = 4096
+    h_TD: torch.Tensor,
+    w_VD: torch.Tensor,
+    targets_T: torch.Tensor,
+    chunk_size: int = 4096,
+    *,
+    fp8: str | None = None,
+    fast_accum: bool = True,
 ) -> torch.Tensor:
-    """Mean cross-entropy of the logits h_TD @ w_VD.T against targets_T, as an fp32 scalar."""
-    return _ChunkedLinearCrossEntropy.apply(h_TD, w_VD, targets_T, chunk_size)
+    """Mean cross-entropy of the logits h_TD @ w_VD.T against targets_T, as an fp32 scalar.
+    `fp8`: None (products in the inputs' dtype), "fp8" (FP8 tensor cores, with the kernel's fast
+    accumulation unless `fast_accum=False`) or "fp8-emulated"; D and V multiples of 16."""
+    if fp8 not in (None, "fp8", "fp8-emulated"):
+        raise ValueError(f"fp8 must be None, 'fp8' or 'fp8-emulated', got {fp8!r}")
+    return _ChunkedLinearCrossEntropy.apply(h_TD, w_VD, targets_T, chunk_size, fp8, fast_accum)
 
 
 def linear_cross_entropy_reference(

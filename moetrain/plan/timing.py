@@ -97,9 +97,9 @@ def fp8_experts(config: RunConfig, cluster: Cluster) -> bool:
 def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -> float:
     """One micro-batch's products on a stage. A forward is a third of forward + backward; moe
     checkpointing redoes the experts and the router (2 D E FLOPs per token), full everything.
-    FP8 GEMMs (experts, `precision.linear`) run the forward and the input gradient, and any
-    recomputed forward, at the FP8 rate; their weight gradient stays bf16 (moe/fp8_experts.py,
-    nn/fp8.py)."""
+    FP8 GEMMs (experts, `precision.linear`, `precision.lm_head`) run the forward and the input
+    gradient, and any recomputed forward, at the FP8 rate; their weight gradient stays bf16
+    (moe/fp8_experts.py, nn/fp8.py, nn/loss.py)."""
     m, moe, gpu = config.model, config.moe, cluster.gpu
     lp = layer_params(config)
     _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
@@ -131,10 +131,15 @@ def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -
     else:
         expert_s = experts * (1 + redo_experts) / grouped_rate
     linear_s = linear * ((2 / 3 + redo_all) / fp8_rate + 1 / 3 / dense_rate)
+    if config.precision.lm_head == "fp8_rowwise":
+        head_s = head * (2 / 3 / fp8_rate + 1 / 3 / dense_rate)
+    else:
+        head_s = head / dense_rate
     return tokens * (
         num_moe * expert_s
         + (num_moe + num_dense) * attention * (1 + redo_all) / attention_rate
-        + (other * (1 + redo_all) + head) / dense_rate
+        + other * (1 + redo_all) / dense_rate
+        + head_s
         + linear_s
     )
 
@@ -144,7 +149,8 @@ def _fp8_quantization_bytes(config: RunConfig, layout: Layout, stage: int) -> fl
     per element): the experts' rows (x and the output gradient; the SwiGLU kernels write a's and
     dh's FP8 rows as they go, one byte more each) and their weights in both layouts (the
     forward's column-scaled pass reads them twice); the projections' inputs, output gradients
-    and weights. Recomputed forwards quantize again."""
+    and weights; the LM head's inputs, the logits' gradient and its weight in both layouts.
+    Recomputed forwards quantize again."""
     m, moe = config.model, config.moe
     b = precision_bytes(config)
     a, p = b.activation, b.param
@@ -173,6 +179,9 @@ def _fp8_quantization_bytes(config: RunConfig, layout: Layout, stage: int) -> fl
         redo = 1 if ckpt == "full" else 0
         layers = num_moe + num_dense
         total += layers * (tokens * per_token * (1 + redo / 2) + weights * (1 + redo / 2))
+    if config.precision.lm_head == "fp8_rowwise" and stage == layout.pp - 1:
+        V, D = m.vocab_size, m.d_model
+        total += tokens * (D + V) * (a + 1) + 2 * V * D * (p + 1)
     return total
 
 

@@ -127,6 +127,8 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
         )
     if config.precision.linear == "fp8_rowwise":
         install_fp8_linears(model, config, device)
+    if config.precision.lm_head == "fp8_rowwise":
+        install_fp8_lm_head(model, config, device)
     if config.precision.experts == "bf16":
         return
     gemm = make_grouped_gemm(
@@ -167,6 +169,23 @@ def install_fp8_linears(model: Transformer, config: RunConfig, device: torch.dev
             module.fp8_fast_accum = config.precision.fp8_fast_accum
     if mode == "fp8-emulated":
         print("note: precision.linear=fp8_rowwise runs as an emulation: numerics, not speed")
+
+
+def install_fp8_lm_head(model: Transformer, config: RunConfig, device: torch.device) -> None:
+    """precision.lm_head=fp8_rowwise: the LM head's logits and input gradient in FP8 (nn.loss).
+    On the CPU an emulation (numerics only); a GPU without FP8 tensor cores is a start-up error."""
+    reason = fp8_unsupported_reason(device)
+    if device.type == "cuda" and reason is not None:
+        raise ValueError(f"precision.lm_head=fp8_rowwise is unavailable: {reason}; use 'bf16'")
+    m = config.model
+    check_fp8_widths(
+        "precision.lm_head=fp8_rowwise",
+        **{"model.d_model": m.d_model, "model.vocab_size": m.vocab_size},
+    )
+    model.lm_head_fp8 = "fp8" if reason is None else "fp8-emulated"
+    model.lm_head_fp8_fast_accum = config.precision.fp8_fast_accum
+    if reason is not None:
+        print("note: precision.lm_head=fp8_rowwise runs as an emulation: numerics, not speed")
 
 
 def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:

@@ -8,7 +8,12 @@ from moetrain.presets import small
 
 pytestmark = pytest.mark.gpu
 
-FP8 = ["precision.dispatch=fp8", "precision.experts=fp8_rowwise", "precision.linear=fp8_rowwise"]
+FP8 = [
+    "precision.dispatch=fp8",
+    "precision.experts=fp8_rowwise",
+    "precision.linear=fp8_rowwise",
+    "precision.lm_head=fp8_rowwise",
+]
 
 
 @pytest.mark.parametrize(
@@ -142,9 +147,10 @@ def test_grouped_mm_bf16_on_gpu_matches_loop():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sharded"])
 def test_fp8_training_tracks_bf16(tmp_path, optimizer):
-    """FP8 row-wise expert GEMMs and projections (tensor cores, compiled) and the FP8 dispatch
-    payload against the bf16 run from the same seed on the same batches, with the Triton AdamW or
-    ZeRO-1 (torch's fused AdamW writing through bucket views): the loss at every step within 2%.
+    """FP8 row-wise expert GEMMs, projections and LM head (tensor cores, compiled) and the FP8
+    dispatch payload against the bf16 run from the same seed on the same batches, with the Triton
+    AdamW or ZeRO-1 (torch's fused AdamW writing through bucket views): the loss at every step
+    within 2%.
     A stale quantized weight or a wrong scale shows as a drift far past that."""
     from moetrain.train.trainer import Trainer
 

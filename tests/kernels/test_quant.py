@@ -237,16 +237,19 @@ def test_triton_transposed_matches_reference_interpreted(interpreter, shape, dty
 
 
 @interpreted
-@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize(
+    "one_pass,tile", [(False, None), (True, (32, 16, 4)), (True, (4096, 16, 4))]
+)
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shape", [(3, 64, 48), (2, 130, 70), (70, 33)])
 def test_triton_column_kernels_match_reference_interpreted(
-    interpreter, monkeypatch, shape, transposed, one_pass
+    interpreter, monkeypatch, shape, transposed, one_pass, tile
 ):
     """Per-column scales by either kernel choice (one pass a column block, or split amax + cast),
-    q in x's layout or transposed."""
+    q in x's layout or transposed. The one-pass kernel steps down the columns in several tiles
+    (32 x 16), or holds a whole column block at once (a tile taller than M)."""
     monkeypatch.setattr(interpreter, "COLUMN_PROGRAMS_MIN", 0 if one_pass else 10**9)
-    monkeypatch.setattr(interpreter, "COLUMN_TILE", (32, 16, 4))  # several tiles either way
+    monkeypatch.setattr(interpreter, "COLUMN_TILE", tile or (32, 16, 4))
     x = with_edge_values(random_input(shape, torch.bfloat16, seed=9))
     want = quantize_fp8_rowwise(x.mT, -1) if transposed else quantize_fp8_rowwise(x, -2)
     got = interpreter.quantize_fp8_rowwise_triton(x, -2, transposed=transposed)
@@ -337,13 +340,19 @@ def test_triton_rowwise_matches_reference_cuda(shape, dim, dtype, software_cast)
         ((300, 70), torch.float32),
     ],
 )
-@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize(
+    "one_pass,tile", [(False, None), (True, None), (True, (4096, 16, 8))], ids=str
+)
 def test_triton_transposed_matches_reference_cuda(
-    monkeypatch, shape, dtype, software_cast, one_pass
+    monkeypatch, shape, dtype, software_cast, one_pass, tile
 ):
+    """Split kernels, the one-pass kernel at its tile, and the one-pass kernel holding whole
+    column blocks in registers."""
     from moetrain.kernels import quant_triton
 
     monkeypatch.setattr(quant_triton, "COLUMN_PROGRAMS_MIN", 0 if one_pass else 10**9)
+    if tile is not None:
+        monkeypatch.setattr(quant_triton, "COLUMN_TILE", tile)
     x = with_edge_values(random_input(shape, dtype, seed=8, device="cuda"))
     q_ref, s_ref = quantize_fp8_rowwise(x.mT, -1)
     q, s = quant_triton.quantize_fp8_rowwise_triton(

@@ -56,7 +56,7 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_start_up_error(monkeypatch):
     monkeypatch.setattr(build, "fp8_unsupported_reason", lambda device: reason)
     monkeypatch.setattr(fp8_gemm, "fp8_unsupported_reason", lambda device: reason)
     cuda = torch.device("cuda")
-    for field in ("precision.linear", "precision.experts"):
+    for field in ("precision.linear", "precision.experts", "precision.lm_head"):
         config = tiny().with_overrides([f"{field}=fp8_rowwise"])
         with pytest.raises(ValueError, match=f"{field}=fp8_rowwise is unavailable: .*A100"):
             build.apply_precision(Transformer(config), config, cuda)
@@ -77,6 +77,7 @@ def test_fp8_accumulation_choice_reaches_every_fp8_product(monkeypatch, fast):
         [
             "precision.experts=fp8_rowwise",
             "precision.linear=fp8_rowwise",
+            "precision.lm_head=fp8_rowwise",
             f"precision.fp8_fast_accum={str(fast).lower()}",
         ]
     )
@@ -86,3 +87,20 @@ def test_fp8_accumulation_choice_reaches_every_fp8_product(monkeypatch, fast):
     assert gemms and all(not g.emulated and g.use_fast_accum is fast for g in gemms)
     attention = [m for m in model.modules() if isinstance(m, Attention)]
     assert attention and all(m.fp8 == "fp8" and m.fp8_fast_accum is fast for m in attention)
+    assert model.lm_head_fp8 == "fp8" and model.lm_head_fp8_fast_accum is fast
+
+
+def test_fp8_lm_head_is_an_emulation_on_cpu_and_checks_its_widths():
+    """precision.lm_head=fp8_rowwise: the head's products in FP8 (an emulation on the CPU); a
+    vocabulary the kernels cannot take is an error naming it."""
+    from moetrain.model.transformer import Transformer
+    from moetrain.train.build import apply_precision
+
+    config = tiny().with_overrides(["precision.lm_head=fp8_rowwise"])
+    model = Transformer(config)
+    assert model.lm_head_fp8 is None
+    apply_precision(model, config, torch.device("cpu"))
+    assert model.lm_head_fp8 == "fp8-emulated"
+    bad = tiny().with_overrides(["precision.lm_head=fp8_rowwise", "model.vocab_size=260"])
+    with pytest.raises(ValueError, match="model.vocab_size=260"):
+        apply_precision(Transformer(bad), bad, torch.device("cpu"))

@@ -50,10 +50,17 @@ def test_loss_decreases_on_tiny(tmp_cache, tmp_path):
 
 
 def test_fp8_training_on_tiny_tracks_bf16(tmp_cache, tmp_path):
-    """FP8 projections and expert GEMMs (the emulation: the CPU has no FP8 tensor cores) from the
-    same seed on the same batches: the loss falls as bf16's does and ends within 2% of it."""
+    """FP8 projections, expert GEMMs and LM head (the emulation: the CPU has no FP8 tensor cores)
+    from the same seed on the same batches: the loss falls as bf16's does and ends within 2% of
+    it."""
     fp32 = _cfg("train.steps=30")
-    fp8 = fp32.with_overrides(["precision.linear=fp8_rowwise", "precision.experts=fp8_rowwise"])
+    fp8 = fp32.with_overrides(
+        [
+            "precision.linear=fp8_rowwise",
+            "precision.experts=fp8_rowwise",
+            "precision.lm_head=fp8_rowwise",
+        ]
+    )
     Trainer(fp32, tmp_path / "fp32", progress=False).train()
     Trainer(fp8, tmp_path / "fp8", progress=False).train()
     a, b = _train_losses(tmp_path / "fp8"), _train_losses(tmp_path / "fp32")
