@@ -47,6 +47,15 @@ class BalancedDispatcher:
         self.num_local = num_local
         self.local = LocalDispatcher(payload)
 
+    @property
+    def fp8_rows(self) -> bool:
+        """`LocalDispatcher.fp8_rows` of the wrapped dispatcher."""
+        return self.local.fp8_rows
+
+    @fp8_rows.setter
+    def fp8_rows(self, value: bool) -> None:
+        self.local.fp8_rows = value
+
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult
     ) -> tuple[torch.Tensor, torch.Tensor, LocalHandle]:

@@ -3,7 +3,7 @@
 Letters: T tokens, K top-k, D model dim, N rows handed to the experts, e local experts.
 
     rows_ND, offsets_e, handle = dispatcher.dispatch(x_TD, routing)
-    y_ND = experts(rows_ND, offsets_e, handle.row_weights_N)
+    y_ND = experts(rows_ND, offsets_e, handle.row_weights_N, handle.rows_fp8)
     y_TD = dispatcher.combine(y_ND, handle)
 
 `offsets_e` holds each local expert's cumulative END row (int32, on device), the layout
@@ -13,7 +13,10 @@ that was dropped contributes zero. Who applies the weights is the dispatcher's c
 its handle: with `handle.row_weights_N` (the weights in row order) the experts scale their rows
 (inside the SwiGLU, before the linear down projection) and `combine` only sums, so its backward
 needs no saved expert outputs (the LocalDispatcher); with None, `combine` weights (the
-expert-parallel dispatchers, whose rows cross ranks without their weights). The MoE layer only
+expert-parallel dispatchers, whose rows cross ranks without their weights). `handle.rows_fp8` is
+(q, scale), the same rows in row-scaled FP8 for FP8 experts, when the dispatcher made them (the
+LocalDispatcher with `fp8_rows`: it quantizes the T token rows and gathers their FP8 copies,
+where the experts would quantize all T*K rows), else None. The MoE layer only
 sees this interface: expert parallelism swaps in dispatchers that move rows between ranks
 (moetrain.parallel), without touching model code.
 """
@@ -28,11 +31,15 @@ import torch
 from moetrain.kernels.gather import gather_routes, sum_routes, weighted_sum_reference
 from moetrain.moe.payload import check_payload, fp8_round_trip
 from moetrain.moe.router import RoutingResult
+from moetrain.nn.fp8 import quantize_rows
 
 
 class DispatchHandle(Protocol):
     # the router weight of each row, for the experts to apply; None: combine applies them
     row_weights_N: torch.Tensor | None
+    # the rows in row-scaled FP8 (q e4m3, fp32 scale per row), exactly `quantize_rows(rows)`;
+    # None: the experts quantize the rows themselves if they need to
+    rows_fp8: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class Dispatcher(Protocol):
@@ -48,6 +55,7 @@ class LocalHandle:
     order_N: torch.Tensor  # flat (token, k) route index of each expert-ordered row
     inverse_order_TK: torch.Tensor  # position in the expert-ordered rows of each (token, k) route
     row_weights_N: torch.Tensor  # router weight of each row (the experts apply it)
+    rows_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # with `fp8_rows`
 
 
 class LocalDispatcher:
@@ -60,10 +68,14 @@ class LocalDispatcher:
     (268 MB a layer of `small`); the experts' SwiGLU takes that gradient from values it holds.
     `payload="fp8"`: nothing leaves the device, so only the FP8 rounding of the rows is applied
     (before the K-fold gather: T rows quantized, not T*K), which keeps a run's numerics the same
-    with and without expert parallelism."""
+    with and without expert parallelism. `fp8_rows` (set for FP8 experts by
+    `moetrain.train.build`): the handle also carries the rows in row-scaled FP8, from the T token
+    rows quantized once and gathered as bytes (a row's quantization does not depend on where it
+    goes), bit for bit the quantization of the T*K rows at an eighth of its reads."""
 
-    def __init__(self, payload: str = "bf16") -> None:
+    def __init__(self, payload: str = "bf16", fp8_rows: bool = False) -> None:
         self.payload = check_payload(payload)
+        self.fp8_rows = fp8_rows
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult
@@ -77,10 +89,20 @@ class LocalDispatcher:
         rows_ND = gather_routes(x_TD, order_N, inverse_TK)
         offsets_e = routing.tokens_per_expert_E.cumsum(0).to(torch.int32)
         row_weights_N = permute_routes(routing.weights_TK.reshape(-1), order_N, inverse_TK)
-        return rows_ND, offsets_e, LocalHandle(order_N, inverse_TK, row_weights_N)
+        rows_fp8 = gather_fp8_rows(x_TD, order_N // top_k) if self.fp8_rows else None
+        return rows_ND, offsets_e, LocalHandle(order_N, inverse_TK, row_weights_N, rows_fp8)
 
     def combine(self, y_ND: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
         return sum_routes(y_ND, handle.order_N, handle.inverse_order_TK)
+
+
+def gather_fp8_rows(x_TD: torch.Tensor, token_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of the rows x_TD[token_N] in row-scaled FP8: the T rows quantized, then their
+    bytes and scales gathered. Not differentiable (x is detached: the scales' amax would
+    otherwise enter the autograd graph)."""
+    q_TD, scale_T = quantize_rows(x_TD.detach())
+    q_ND = q_TD.view(torch.uint8)[token_N].view(q_TD.dtype)
+    return q_ND, scale_T[token_N]
 
 
 def sort_routes(expert_ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ only sums (LocalDispatcher): applied inside the SwiGLU, before the linear down p
 give the same result as weighting y, while the combine's backward needs no saved y. The GEMM is a
 swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); a GEMM with a `swiglu_mlp` method
 (FP8 row-scaled) may take the whole MLP as one op instead, to fuse its quantizations into the
-SwiGLU kernels. `grouped_mm_reference` is the obvious loop over experts that tests compare
-against. Weights are indexed by global expert id minus `expert_offset`, so expert parallelism
+SwiGLU kernels and to take the rows already in row-scaled FP8 from the dispatcher.
+`grouped_mm_reference` is the obvious loop over experts that tests compare against. Weights are indexed by global expert id minus `expert_offset`, so expert parallelism
 only changes which slice of experts a rank holds.
 """
 
@@ -79,11 +79,18 @@ class GroupedExperts(nn.Module):
         self.gemm = gemm
 
     def forward(
-        self, rows_ND: torch.Tensor, offsets_e: torch.Tensor, w_N: torch.Tensor | None = None
+        self,
+        rows_ND: torch.Tensor,
+        offsets_e: torch.Tensor,
+        w_N: torch.Tensor | None = None,
+        rows_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """y_ND for the rows grouped by `offsets_e`, scaled by the row weights w_N if given.
+        `rows_fp8`: the rows in row-scaled FP8 (`nn.fp8.quantize_rows(rows_ND)`), which a fused
+        FP8 MLP uses instead of quantizing them; ignored otherwise."""
         fused = getattr(self.gemm, "swiglu_mlp", None)
         if fused is not None:
-            y_ND = fused(rows_ND, self.w_up_eD2F, self.w_down_eFD, offsets_e, w_N)
+            y_ND = fused(rows_ND, self.w_up_eD2F, self.w_down_eFD, offsets_e, w_N, rows_fp8)
             if y_ND is not None:
                 return y_ND
         h_N2F = self.gemm(rows_ND, self.w_up_eD2F, offsets_e)

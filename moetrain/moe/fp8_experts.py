@@ -3,7 +3,7 @@ the kernels that produce the rows.
 
 Letters: N rows (grouped by expert), D model dim, F expert hidden, e local experts.
 
-    h_N2F = x_ND @ w_up_eD2F          FP8: x quantized here (one pass; the rows arrive in bf16)
+    h_N2F = x_ND @ w_up_eD2F          FP8: x's rows quantized by the dispatcher, or here
     a_NF  = w_N * silu(gate) * up     the SwiGLU kernel writes a's rows in FP8 only
     y_ND  = a_NF @ w_down_eFD         FP8
 backward:
@@ -42,15 +42,19 @@ def fp8_swiglu_experts_op(
     w_down_eFD: torch.Tensor,
     offs_e: torch.Tensor,
     w_N: torch.Tensor | None,
+    x_q_ND: torch.Tensor | None,
+    x_scale_N: torch.Tensor | None,
     emulate: bool,
     use_fast_accum: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h): the MLP's output and the activation its backward reads (with x)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): the MLP's output and the activation its backward reads (with x). x_q_ND and
+    x_scale_N, when given, are `quantize_rows(x_ND)`, computed by the caller."""
     dtype = x_ND.dtype
+    x_fp8 = quantize_rows(x_ND) if x_q_ND is None else (x_q_ND, x_scale_N)
     h_N2F = scaled_grouped_mm(
-        *quantize_rows(x_ND), *quantized_weight(w_up_eD2F, "D"), offs_e, dtype,
-        emulate, use_fast_accum,
-    )  # fmt: skip
+        *x_fp8, *quantized_weight(w_up_eD2F, "D"), offs_e, dtype, emulate, use_fast_accum
+    )
+    del x_fp8
     a_q_NF, a_scale_N = swiglu_fp8(h_N2F, w_N)
     y_ND = scaled_grouped_mm(
         a_q_NF, a_scale_N, *quantized_weight(w_down_eFD, "D"), offs_e, dtype,
@@ -60,7 +64,7 @@ def fp8_swiglu_experts_op(
 
 
 @fp8_swiglu_experts_op.register_fake
-def _(x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum):
+def _(x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, x_q_ND, x_scale_N, emulate, use_fast_accum):
     n = x_ND.shape[0]
     return x_ND.new_empty((n, w_down_eFD.shape[2])), x_ND.new_empty((n, w_up_eD2F.shape[2]))
 
@@ -111,7 +115,7 @@ def _(grad_y_ND, x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_f
 
 
 def _setup(ctx, inputs, output) -> None:
-    x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum = inputs
+    x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, _, _, emulate, use_fast_accum = inputs
     _, h_N2F = output
     ctx.mark_non_differentiable(h_N2F)
     ctx.set_materialize_grads(False)
@@ -135,6 +139,8 @@ def _backward(ctx, grad_y_ND, _grad_h):
         grad_w_N if w_N is not None else None,
         None,
         None,
+        None,
+        None,
     )
 
 
@@ -150,12 +156,16 @@ def fp8_swiglu_experts(
     *,
     emulate: bool,
     use_fast_accum: bool,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y = swiglu(x @ w_up, w_N) @ w_down per expert group, every product in FP8; differentiable
-    in x, both weights and the row weights w_N (float32, optional)."""
+    in x, both weights and the row weights w_N (float32, optional). `x_fp8`: (q, scale), x's
+    rows already quantized (`quantize_rows(x_ND)`, e.g. by the dispatcher), not differentiated."""
     if w_N is not None and w_N.dtype != torch.float32:
         w_N = w_N.float()
+    x_q_ND, x_scale_N = (None, None) if x_fp8 is None else x_fp8
     y_ND, _ = fp8_swiglu_experts_op(
-        x_ND.contiguous(), w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum
-    )
+        x_ND.contiguous(), w_up_eD2F, w_down_eFD, offs_e, w_N, x_q_ND, x_scale_N, emulate,
+        use_fast_accum,
+    )  # fmt: skip
     return y_ND

@@ -155,10 +155,11 @@ class FP8RowwiseGroupedGemm:
         w_down_eFD: torch.Tensor,
         offs_e: torch.Tensor,
         w_N: torch.Tensor | None,
+        x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """The experts' whole MLP as one op with the quantizations fused into the SwiGLU
         kernels (moe/fp8_experts.py), or None when built with `fuse_swiglu=False` (the caller
-        then composes the products)."""
+        then composes the products). `x_fp8`: x's rows already quantized, (q, scale)."""
         if not self.fuse_swiglu:
             return None
         from moetrain.moe.fp8_experts import fp8_swiglu_experts
@@ -175,8 +176,13 @@ class FP8RowwiseGroupedGemm:
             self._check_kernel_shapes(w_down_eFD)
         return fp8_swiglu_experts(
             x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N,
-            emulate=self.emulated, use_fast_accum=self.use_fast_accum,
+            emulate=self.emulated, use_fast_accum=self.use_fast_accum, x_fp8=x_fp8,
         )  # fmt: skip
+
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether `swiglu_mlp` runs (and so uses rows a dispatcher quantized)."""
+        return self.fuse_swiglu
 
     def _check_kernel_shapes(self, w_eDF: torch.Tensor) -> None:
         d, f = w_eDF.shape[1:]

@@ -102,7 +102,7 @@ class MoELayer(nn.Module):
                 weights_TK = AddAuxLossGrad.apply(routing.weights_TK, aux_loss, self.aux_grad_scale)
                 routing = dataclasses.replace(routing, weights_TK=weights_TK)
         rows_ND, offsets_e, handle = self.dispatcher.dispatch(x_TD, routing)
-        y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N)
+        y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N, handle.rows_fp8)
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)

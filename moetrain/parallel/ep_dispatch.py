@@ -120,6 +120,7 @@ class AllToAllHandle:
     expert_major_to_recv_R: torch.Tensor  # received row of each expert-major position
     order_N: torch.Tensor  # flat (token, k) route of each sorted send row
     row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
+    rows_fp8: None = None  # the experts quantize the rows they receive
 
 
 def _sync_split_sizes(
@@ -234,6 +235,7 @@ class NoSyncHandle:
     expert_major_to_recv_R: torch.Tensor  # received row of each expert-major position; pad: R
     route_of_send_row_R: torch.Tensor  # route of each send row (+ the sink); unused: T * K
     row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
+    rows_fp8: None = None  # the experts quantize the rows they receive
 
 
 class NoSyncDispatcher:

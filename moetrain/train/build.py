@@ -136,6 +136,8 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
     )
     for layer in model.moe_layers():
         layer.experts.gemm = gemm
+        if hasattr(layer.dispatcher, "fp8_rows"):  # the local dispatchers: rows quantized there
+            layer.dispatcher.fp8_rows = getattr(gemm, "takes_fp8_rows", False)
     if gemm.emulated:
         print(
             f"note: precision.experts={config.precision.experts} runs as {gemm.name}: "

@@ -141,6 +141,58 @@ def test_fused_mlp_holds_x_and_h_alone_for_the_backward():
     assert sorted(composed) == [(NUM_ROWS, F), (NUM_ROWS, D), (NUM_ROWS, 2 * F)]
 
 
+@pytest.mark.parametrize("payload", ["bf16", "fp8"])
+def test_dispatcher_fp8_rows_are_the_quantized_rows(payload):
+    """LocalDispatcher(fp8_rows=True): T token rows quantized, bytes gathered K-fold, bit for
+    bit `quantize_rows` of the rows it hands over (after the FP8 payload's rounding, if any);
+    without the flag there are none."""
+    from moetrain.moe.dispatch import LocalDispatcher
+    from moetrain.moe.router import TopKRouter
+    from moetrain.nn.fp8 import quantize_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(50, 64, dtype=torch.bfloat16)
+    routing = TopKRouter(64, 6, 3).to(torch.bfloat16)(x)
+    rows, _, handle = LocalDispatcher(payload, fp8_rows=True).dispatch(x, routing)
+    q, scale = handle.rows_fp8
+    q_ref, scale_ref = quantize_rows(rows)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == rows.shape
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale, scale_ref)
+    assert LocalDispatcher(payload).dispatch(x, routing)[2].rows_fp8 is None
+
+
+def moe_layer_run(fp8_rows: bool, *, device="cpu", compile=False, seed=9):
+    """An FP8-expert MoE layer (fused MLP; the emulation off FP8 GPUs) on fresh inputs, with
+    the dispatcher's FP8 rows on or off: output and every gradient."""
+    from moetrain.config import MoEConfig
+    from moetrain.moe.fp8_gemm import make_grouped_gemm
+    from moetrain.moe.layer import MoELayer
+
+    torch.manual_seed(seed)
+    layer = MoELayer(MoEConfig(num_experts=8, top_k=2, expert_hidden=96), 128)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, p.shape[-2] ** -0.5 if p.dim() > 1 else 1.0)
+    layer = layer.to(device=device, dtype=torch.bfloat16)
+    layer.experts.gemm = make_grouped_gemm("fp8_rowwise", torch.device(device))
+    layer.dispatcher.fp8_rows = fp8_rows
+    x = torch.randn(2, 160, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    fn = torch.compile(layer, fullgraph=True) if compile else layer
+    y = fn(x)
+    (y.float() * torch.linspace(-1, 1, y.numel(), device=device).view_as(y)).sum().backward()
+    return [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+def test_moe_layer_with_dispatcher_fp8_rows_is_bit_for_bit_the_same():
+    """What the trainer installs for FP8 experts (the dispatcher quantizes T rows) against the
+    experts quantizing all T*K rows: the same step, bit for bit (CPU emulation)."""
+    on, off = moe_layer_run(True), moe_layer_run(False)
+    for a, b in zip(on, off, strict=True):
+        assert a is not None and torch.isfinite(a).all()
+        assert torch.equal(a, b)
+
+
 def test_mismatched_expert_weights_are_an_error():
     x, w_up, w_down, row_w, offs, _ = problem([3, 5], 8, 64, 32, dtype=torch.float32, device="cpu", seed=4)  # fmt: skip
     with pytest.raises(ValueError, match=r"w_down \(e, F, D\)"):
@@ -194,6 +246,19 @@ def test_fused_mlp_on_the_gpu_has_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(t is not None for t in out)
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_moe_layer_with_dispatcher_fp8_rows_on_the_gpu(compile):
+    """Tensor cores, the Triton quantizer (eager) or Inductor's (compiled) and the byte gather:
+    the dispatcher's FP8 rows give the step the experts' own quantization gives, bit for bit."""
+    on = moe_layer_run(True, device="cuda", compile=compile)
+    off = moe_layer_run(False, device="cuda", compile=compile)
+    for a, b in zip(on, off, strict=True):
+        assert a is not None and torch.isfinite(a).all()
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -85,6 +85,7 @@ def test_fp8_accumulation_choice_reaches_every_fp8_product(monkeypatch, fast):
     build.apply_precision(model, config, torch.device("cuda"))
     gemms = [layer.experts.gemm for layer in model.moe_layers()]
     assert gemms and all(not g.emulated and g.use_fast_accum is fast for g in gemms)
+    assert all(layer.dispatcher.fp8_rows for layer in model.moe_layers())  # the fused MLP's
     attention = [m for m in model.modules() if isinstance(m, Attention)]
     assert attention and all(m.fp8 == "fp8" and m.fp8_fast_accum is fast for m in attention)
     assert model.lm_head_fp8 == "fp8" and model.lm_head_fp8_fast_accum is fast
