@@ -31,7 +31,7 @@ import torch
 from moetrain.kernels.gather import gather_routes, sum_routes, weighted_sum_reference
 from moetrain.moe.payload import check_payload, fp8_round_trip
 from moetrain.moe.router import RoutingResult
-from moetrain.nn.fp8 import quantize_rows
+from moetrain.nn.fp8 import quantize_rows_opaque
 
 
 class DispatchHandle(Protocol):
@@ -98,9 +98,9 @@ class LocalDispatcher:
 
 def gather_fp8_rows(x_TD: torch.Tensor, token_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) of the rows x_TD[token_N] in row-scaled FP8: the T rows quantized, then their
-    bytes and scales gathered. Not differentiable (x is detached: the scales' amax would
-    otherwise enter the autograd graph)."""
-    q_TD, scale_T = quantize_rows(x_TD.detach())
+    bytes and scales gathered. The quantizer is the FP8 experts' own, compiled or not, so the
+    bits are theirs. Not differentiable."""
+    q_TD, scale_T = quantize_rows_opaque(x_TD.detach())
     q_ND = q_TD.view(torch.uint8)[token_N].view(q_TD.dtype)
     return q_ND, scale_T[token_N]
 

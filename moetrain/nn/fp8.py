@@ -58,6 +58,21 @@ def quantize_rows(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
     return quant.quantize_fp8_rowwise(x, dim=dim)
 
 
+@torch.library.custom_op("moetrain::quantize_fp8_rows", mutates_args=())
+def quantize_rows_opaque(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(x)` (last dim) as an opaque op: compiled code calls the kernel that eager
+    code and the FP8 ops' own bodies run (the Triton kernel on a CUDA GPU), so the bits agree
+    with theirs, where Inductor's fused twin may round the scale's division differently. Not
+    differentiable."""
+    return quantize_rows(x)
+
+
+@quantize_rows_opaque.register_fake
+def _(x):
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    return q, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
 def quantize_rows_of_transpose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows(x.mT)`: q in x.mT's shape, contiguous, one scale per row of x.mT (per column
     of x). Eager on a CUDA GPU one Triton pass writes q transposed, with no bf16 copy of x.mT."""

@@ -162,6 +162,27 @@ def test_dispatcher_fp8_rows_are_the_quantized_rows(payload):
     assert LocalDispatcher(payload).dispatch(x, routing)[2].rows_fp8 is None
 
 
+def test_dispatcher_fp8_rows_compile_to_the_eager_bits():
+    """Compiled, the T rows' quantization stays the opaque op the experts' own body runs (on a
+    GPU Inductor's fused twin rounded some scales differently); the byte gather is traced."""
+    from moetrain.moe.dispatch import gather_fp8_rows
+
+    x = torch.randn(40, 64, dtype=torch.bfloat16) * torch.logspace(-3, 3, 40)[:, None]
+    token = torch.randint(0, 40, (120,))
+    graphs = []
+
+    def backend(gm, _):
+        graphs.append(gm)
+        return gm
+
+    q, scale = torch.compile(gather_fp8_rows, fullgraph=True, backend=backend)(x, token)
+    q_ref, scale_ref = gather_fp8_rows(x, token)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale, scale_ref)
+    code = graphs[0].code
+    assert "moetrain.quantize_fp8_rows" in code and "amax" not in code
+
+
 def moe_layer_run(fp8_rows: bool, *, device="cpu", compile=False, seed=9):
     """An FP8-expert MoE layer (fused MLP; the emulation off FP8 GPUs) on fresh inputs, with
     the dispatcher's FP8 rows on or off: output and every gradient."""
