@@ -205,7 +205,8 @@ def block_activation_bytes(
       and sin, a S x H each.
     - router: fp32 logits and softmax 8 T E, z-loss log-sum-exp 4 T, a 4 E count vector.
     - MoE: three int64 index tensors 24 T K; dispatched rows a R T D; gate|up output 2 a R T F,
-      the swiglu output a R T F (it saves only gate|up); the fp32 router weights 4 T K (saved by
+      the swiglu output a R T F (it saves only gate|up; FP8 experts do not keep it: their
+      SwiGLU backward writes it again); the fp32 router weights 4 T K (saved by
       the swiglu, which applies them, or under expert parallelism by the combine, which then
       also keeps its gathered outputs a T K D); the experts' offsets 4 e. Shared experts /
       dense MLP: 4 a T hidden.
@@ -237,8 +238,18 @@ def block_activation_bytes(
     combine_outputs = a * T * K * D if ep > 1 else 0
     ffn += 24 * T * K + combine_outputs + 4 * T * K + 4 * (E // ep)  # dispatch and combine
     ffn += a * rows * (D + 3 * F)  # rows, gate|up (the swiglu's only save), its output
+    ffn -= recomputed_swiglu_bytes(config, tokens, ep)
     ffn += 4 * a * T * F * moe_cfg.num_shared_experts
     return attention, norm(D), ffn
+
+
+def recomputed_swiglu_bytes(config: RunConfig, tokens: int, ep: int = 1) -> int:
+    """Bytes of the experts' SwiGLU output that FP8 experts do not hold from forward to
+    backward (their SwiGLU backward writes it again, moe/fp8_experts.py); 0 otherwise."""
+    if config.precision.experts != "fp8_rowwise":
+        return 0
+    a = precision_bytes(config).activation
+    return a * expert_rows(config, ep, tokens).rows * config.moe.expert_hidden
 
 
 def stage_activation_bytes(

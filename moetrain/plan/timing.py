@@ -33,6 +33,7 @@ from moetrain.plan.memory import (
     optimizer_shards,
     precision_bytes,
     rank_params,
+    recomputed_swiglu_bytes,
     stage_memory,
 )
 
@@ -146,10 +147,11 @@ def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -
 
 def _fp8_quantization_bytes(config: RunConfig, layout: Layout, stage: int) -> float:
     """HBM bytes of one micro-batch's FP8 quantizations on a stage (read a bytes, write one,
-    per element): the experts' rows (x and the output gradient; the SwiGLU kernels write a's and
-    dh's FP8 rows as they go, one byte more each) and their weights in both layouts (the
-    forward's column-scaled pass reads them twice); the projections' inputs, output gradients
-    and weights; the LM head's inputs, the logits' gradient and its weight in both layouts.
+    per element): the experts' rows (x: without expert parallelism the dispatcher quantizes the
+    T token rows and gathers the FP8 bytes, otherwise the experts quantize the rows they get;
+    the output gradient; the SwiGLU kernels write a's and dh's FP8 rows as they go, one byte
+    more each) and their weights in both layouts; the projections' inputs, output gradients and
+    weights; the LM head's inputs, the logits' gradient and its weight in both layouts.
     Recomputed forwards quantize again."""
     m, moe = config.model, config.moe
     b = precision_bytes(config)
@@ -162,11 +164,14 @@ def _fp8_quantization_bytes(config: RunConfig, layout: Layout, stage: int) -> fl
         D, F = m.d_model, moe.expert_hidden
         rows = expert_rows(config, layout.ep, tokens).rows
         redo = ckpt in ("moe", "full")
-        forward_rows = rows * (D * (a + 1) + F)
+        if layout.ep == 1:  # T rows quantized, their bytes and scales gathered K-fold
+            x_rows = tokens * D * (a + 1) + rows * (D + 4)
+        else:
+            x_rows = rows * D * (a + 1)
+        forward_rows = x_rows + rows * F
         backward_rows = rows * (D * (a + 1) + 2 * F)
         weights = 3 * D * F * moe.num_experts // layout.ep
-        forward_weights = weights * (2 * p + 1)
-        backward_weights = weights * (p + 1)
+        forward_weights = backward_weights = weights * (p + 1)
         per_layer = (1 + redo) * (forward_rows + forward_weights) + backward_rows + backward_weights
         total += num_moe * per_layer
     if config.precision.linear == "fp8_rowwise":
@@ -194,6 +199,8 @@ def _elementwise_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: i
     for is_moe, count in ((False, num_dense), (True, num_moe)):
         if count:
             attention, norm, ffn = block_activation_bytes(config, tokens, moe=is_moe, ep=layout.ep)
+            if is_moe:  # not held, but written all the same
+                ffn += recomputed_swiglu_bytes(config, tokens, layout.ep)
             saved += count * (attention + norm + ffn)
             ckpt = layout.activation_checkpointing
             redone += (
