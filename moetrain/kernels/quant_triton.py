@@ -103,6 +103,20 @@ def _scales_from_amax(amax):
 
 
 @_jit
+def _store_column_tile(
+    q_ptr, x, inv, offsets, base, rows, cols, M, mask,
+    SOFTWARE_CAST: tl.constexpr, TRANSPOSED: tl.constexpr,
+):  # fmt: skip
+    """x * inv (one inverse scale a column) in e4m3, at x's `offsets` in a (B, M, N) q, or
+    transposed into a (B, N, M) q: the column kernels' store."""
+    if TRANSPOSED:
+        q_offsets = base + cols.to(tl.int64)[None, :] * M + rows[:, None]
+    else:
+        q_offsets = offsets
+    _store_e4m3(q_ptr, q_offsets, x * inv[None, :], mask, SOFTWARE_CAST)
+
+
+@_jit
 def _rowwise_kernel(
     x_ptr,
     q_ptr,
@@ -172,11 +186,9 @@ def _column_kernel(
         offsets = base + rows.to(tl.int64)[:, None] * N + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         inv, scale = _scales_from_amax(tl.max(_finite_abs(x), axis=0))
-        if TRANSPOSED:
-            q_offsets = base + cols.to(tl.int64)[None, :] * M + rows[:, None]
-        else:
-            q_offsets = offsets
-        _store_e4m3(q_ptr, q_offsets, x * inv[None, :], mask, SOFTWARE_CAST)
+        _store_column_tile(
+            q_ptr, x, inv, offsets, base, rows, cols, M, mask, SOFTWARE_CAST, TRANSPOSED
+        )
     else:
         amax = tl.zeros([BLOCK_N], dtype=tl.float32)
         for mb in range(NUM_M_BLOCKS):  # constexpr trip count (runtime bounds trip the interpreter)
@@ -194,11 +206,9 @@ def _column_kernel(
             mask = (rows < M)[:, None] & col_mask[None, :]
             offsets = base + rows.to(tl.int64)[:, None] * N + cols[None, :]
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            if TRANSPOSED:
-                q_offsets = base + cols.to(tl.int64)[None, :] * M + rows[:, None]
-            else:
-                q_offsets = offsets
-            _store_e4m3(q_ptr, q_offsets, x * inv[None, :], mask, SOFTWARE_CAST)
+            _store_column_tile(
+                q_ptr, x, inv, offsets, base, rows, cols, M, mask, SOFTWARE_CAST, TRANSPOSED
+            )
     tl.store(scale_ptr + batch * N + cols, scale, mask=col_mask)
 
 
@@ -255,11 +265,7 @@ def _column_cast_kernel(
     base = batch.to(tl.int64) * M * N
     offsets = base + rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if TRANSPOSED:
-        q_offsets = base + cols.to(tl.int64)[None, :] * M + rows[:, None]
-    else:
-        q_offsets = offsets
-    _store_e4m3(q_ptr, q_offsets, x * inv[None, :], mask, SOFTWARE_CAST)
+    _store_column_tile(q_ptr, x, inv, offsets, base, rows, cols, M, mask, SOFTWARE_CAST, TRANSPOSED)
     # One row block writes the scales. A branch, not `mask=col_mask & (pid_m == 0)`: Triton
     # 3.9's interpreter types that mask as an integer and refuses it.
     if pid_m == 0:

@@ -145,13 +145,19 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
         )
 
 
+def _fp8_mode(setting: str, device: torch.device) -> str:
+    """ "fp8" where FP8 tensor cores run, "fp8-emulated" off the GPU; a GPU without them is a
+    start-up error naming `setting`."""
+    reason = fp8_unsupported_reason(device)
+    if device.type == "cuda" and reason is not None:
+        raise ValueError(f"{setting}=fp8_rowwise is unavailable: {reason}; use 'bf16'")
+    return "fp8" if reason is None else "fp8-emulated"
+
+
 def install_fp8_linears(model: Transformer, config: RunConfig, device: torch.device) -> None:
     """precision.linear=fp8_rowwise: attention projections and dense SwiGLUs in FP8. On the CPU
     an emulation (numerics only); a GPU without FP8 tensor cores is a start-up error."""
-    reason = fp8_unsupported_reason(device)
-    if device.type == "cuda" and reason is not None:
-        raise ValueError(f"precision.linear=fp8_rowwise is unavailable: {reason}; use 'bf16'")
-    mode = "fp8" if reason is None else "fp8-emulated"
+    mode = _fp8_mode("precision.linear", device)
     m = config.model
     for module in model.modules():
         if isinstance(module, Attention):
@@ -176,17 +182,15 @@ def install_fp8_linears(model: Transformer, config: RunConfig, device: torch.dev
 def install_fp8_lm_head(model: Transformer, config: RunConfig, device: torch.device) -> None:
     """precision.lm_head=fp8_rowwise: the LM head's logits and input gradient in FP8 (nn.loss).
     On the CPU an emulation (numerics only); a GPU without FP8 tensor cores is a start-up error."""
-    reason = fp8_unsupported_reason(device)
-    if device.type == "cuda" and reason is not None:
-        raise ValueError(f"precision.lm_head=fp8_rowwise is unavailable: {reason}; use 'bf16'")
+    mode = _fp8_mode("precision.lm_head", device)
     m = config.model
     check_fp8_widths(
         "precision.lm_head=fp8_rowwise",
         **{"model.d_model": m.d_model, "model.vocab_size": m.vocab_size},
     )
-    model.lm_head_fp8 = "fp8" if reason is None else "fp8-emulated"
+    model.lm_head_fp8 = mode
     model.lm_head_fp8_fast_accum = config.precision.fp8_fast_accum
-    if reason is not None:
+    if mode == "fp8-emulated":
         print("note: precision.lm_head=fp8_rowwise runs as an emulation: numerics, not speed")
 
 
