@@ -37,16 +37,19 @@ from moetrain.kernels.triton_support import jit as _jit
 from moetrain.kernels.triton_support import tl, triton
 from moetrain.kernels.triton_support import triton_available as triton_available
 
-# Per-column scaling runs one program a 64-column block of a matrix when that gives at least this
-# many programs (two waves on an H100/H200's 132 SMs) and columns are at most this long (the
-# block's second read then comes from L2); otherwise a split amax over row blocks and a cast.
+# Per-column scaling runs one program a column block of a matrix when that gives at least this
+# many programs (two waves on an H100/H200's 132 SMs), columns are at most this long (a longer
+# block's second read comes from L2) and the matrices fit a CUDA grid's second dimension;
+# otherwise a split amax over row blocks and a cast.
 COLUMN_PROGRAMS_MIN = 256
 COLUMN_ROWS_MAX = 16384
+_GRID_Y_MAX = 65535
 # The one-pass kernel's tile (rows x columns of a step down the columns; a tile of at least M
 # rows holds the whole column block in registers: one read) and warps. Measured on the H200
-# (benchmarks/RESULTS.md, session 14) at M = 512-2048: 16 columns of all rows with 8 warps, 16-24%
-# faster than 64 x 64 tiles stepping down (olmoe8's up projection 0.438 against 0.523 ms).
-COLUMN_TILE = (2048, 16, 8)
+# (benchmarks/RESULTS.md, sessions 14-15) at M = 512-2048: 16 columns of all rows, 16-24% faster
+# than 64 x 64 tiles stepping down; 4 warps with the column blocks of a matrix launched side by
+# side (grid (column block, matrix)) another 8-20% (olmoe8's up projection 0.438 -> 0.359 ms).
+COLUMN_TILE = (2048, 16, 4)
 
 # Kernels may only read globals that are constexpr.
 _constexpr = tl.constexpr if triton is not None else (lambda value: value)
@@ -176,8 +179,9 @@ def _column_kernel(
     held in registers for amax and cast; otherwise amax down the columns, then the cast, the
     second read of the block mostly from L2 (one pass over HBM where the split kernels below
     make two). q is (B, M, N), or (B, N, M) when TRANSPOSED."""
-    batch = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # grid (column block, matrix): a matrix's column blocks run side by side (faster, COLUMN_TILE)
+    batch = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     base = batch.to(tl.int64) * M * N
     if NUM_M_BLOCKS == 1:
@@ -368,9 +372,13 @@ def quantize_fp8_rowwise_triton(
     n = x.shape[dim + 1 :].numel()
     tile_m, tile_n, warps = COLUMN_TILE
     tile_m = min(tile_m, triton.next_power_of_2(m))  # a tile taller than M: one M block
-    if b * triton.cdiv(n, tile_n) >= COLUMN_PROGRAMS_MIN and m <= COLUMN_ROWS_MAX:
+    if (
+        b * triton.cdiv(n, tile_n) >= COLUMN_PROGRAMS_MIN
+        and m <= COLUMN_ROWS_MAX
+        and b <= _GRID_Y_MAX
+    ):
         # enough column blocks to fill the GPU (expert weights): one kernel, one HBM pass
-        grid = (b, triton.cdiv(n, tile_n))
+        grid = (triton.cdiv(n, tile_n), b)
         _column_kernel[grid](
             x, _q_arg(q, software_cast), scale, m, n, BLOCK_M=tile_m, BLOCK_N=tile_n,
             NUM_M_BLOCKS=triton.cdiv(m, tile_m), SOFTWARE_CAST=software_cast,
