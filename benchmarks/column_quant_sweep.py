@@ -98,7 +98,6 @@ def _col(
     BLOCK_N: tl.constexpr,
     BF16_AMAX: tl.constexpr,
     TRANS_STORE: tl.constexpr,
-    CHUNKS: tl.constexpr,
 ):
     blk = tl.program_id(0)
     batch = tl.program_id(1)
@@ -184,7 +183,6 @@ def run(w, kind, bn, warps, bf16_amax=False, trans=False, chunk=0):
             BLOCK_N=bn,
             BF16_AMAX=bf16_amax,
             TRANS_STORE=trans,
-            CHUNKS=1,
             num_warps=warps,
         )
     else:

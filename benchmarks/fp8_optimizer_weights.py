@@ -95,19 +95,16 @@ class Case:
         self.amax_row = torch.zeros((e, d), dtype=torch.int32, device="cuda")
         self.amax_col = torch.zeros((e, f), dtype=torch.int32, device="cuda")
 
-    def today(self) -> None:
-        multi_tensor_adamw_(
-            [self.param], [self.grad], [self.m], [self.v], [self.master], self.step,
-            lr=LR, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-        )  # fmt: skip
-        quantize_fp8_rowwise_triton(self.param, dim=-2, transposed=True)
-        quantize_fp8_rowwise_triton(self.param, dim=-1)
-
     def adamw_only(self) -> None:
         multi_tensor_adamw_(
             [self.param], [self.grad], [self.m], [self.v], [self.master], self.step,
             lr=LR, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
         )  # fmt: skip
+
+    def today(self) -> None:
+        self.adamw_only()
+        quantize_fp8_rowwise_triton(self.param, dim=-2, transposed=True)
+        quantize_fp8_rowwise_triton(self.param, dim=-1)
 
     def prototype(self, block_d: int, block_f: int, warps: int) -> None:
         e, d, f = self.shape

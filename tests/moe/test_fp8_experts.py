@@ -278,7 +278,8 @@ def test_moe_layer_with_dispatcher_fp8_rows_on_the_gpu(compile):
     dispatcher's FP8 rows give the step the experts' own quantization gives, bit for bit.
     Compiled, the two settings are two graphs; Inductor's deterministic mode keeps it from
     picking their reduction configs (the router's softmax, ...) by timing, which can change a
-    sum's order and so a routing weight's last bit (one such pick failed this test on the H200)."""
+    sum's order and so a routing weight's last bit (without it this test failed once on the
+    H200; the timed pick is the likely cause, not a confirmed one)."""
     with torch._inductor.config.patch(deterministic=compile):
         on = moe_layer_run(True, device="cuda", compile=compile)
         off = moe_layer_run(False, device="cuda", compile=compile)
