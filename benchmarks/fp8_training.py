@@ -22,8 +22,8 @@ the same shapes in the same job, then whole training steps.
    replace; then the SwiGLU with its quantization apart and fused, and the fused kernels' tiles.
 4. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16 and in
    the FP8 variants of VARIANTS (experts; experts composed per product; experts with precise
-   accumulation; experts and projections; and the LM head): median ms, peak GiB, graphed or
-   not.
+   accumulation; experts and projections; and the LM head; and the experts' weight gradients):
+   median ms, peak GiB, graphed or not.
 
 Prediction (olmoe8, H200, from the FLOP split in the FP8 issue): the expert GEMMs' forward and
 input gradient are ~38% of the FLOPs and run ~1.3x faster in FP8 (926 vs 720 TFLOP/s), the
@@ -58,6 +58,15 @@ VARIANTS = {  # name: (config overrides, FP8RowwiseGroupedGemm arguments other t
     "fp8 experts+linear": ([*FP8_EXPERTS, "precision.linear=fp8_rowwise"], {}),
     "fp8 experts+linear+head": (
         [*FP8_EXPERTS, "precision.linear=fp8_rowwise", "precision.lm_head=fp8_rowwise"],
+        {},
+    ),
+    "fp8 all+expert wgrad": (
+        [
+            *FP8_EXPERTS,
+            "precision.linear=fp8_rowwise",
+            "precision.lm_head=fp8_rowwise",
+            "precision.fp8_expert_weight_grad=true",
+        ],
         {},
     ),
 }

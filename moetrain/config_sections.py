@@ -339,9 +339,18 @@ class PrecisionConfig:
     # FP8 products (experts, linears) accumulate without CUTLASS's periodic promotion to fp32:
     # up to 2.7x faster on the H200, a little less precise (benchmarks/RESULTS.md, session 13)
     fp8_fast_accum: bool = True
+    # with experts=fp8_rowwise: the experts' weight gradients in FP8 too (groups padded to
+    # multiples of 16 in transposed copies of the operands; moe/fp8_weight_grad.py)
+    fp8_expert_weight_grad: bool = False
 
     def __post_init__(self) -> None:
         s = "precision"
+        if self.fp8_expert_weight_grad and self.experts != "fp8_rowwise":
+            fail(
+                "precision.fp8_expert_weight_grad",
+                True,
+                f"needs precision.experts=fp8_rowwise (got {self.experts!r})",
+            )
         _choice(s, self, "param_dtype", ("auto", "fp32", "bf16"))
         _choice(s, self, "grad_dtype", ("fp32", "bf16"))
         _choice(s, self, "experts", ("bf16", "fp8_rowwise", "mxfp8"))

@@ -50,6 +50,15 @@ def test_triton_adamw_kernel_is_for_the_replicated_optimizer():
     tiny().with_overrides(["train.optimizer=sharded", "train.adamw_kernel=auto"])  # fine
 
 
+def test_fp8_expert_weight_grad_needs_fp8_experts():
+    with pytest.raises(ValueError, match=r"fp8_expert_weight_grad.*experts=fp8_rowwise.*mxfp8"):
+        tiny().with_overrides(["precision.experts=mxfp8", "precision.fp8_expert_weight_grad=true"])
+    config = tiny().with_overrides(
+        ["precision.experts=fp8_rowwise", "precision.fp8_expert_weight_grad=true"]
+    )
+    assert config.precision.fp8_expert_weight_grad
+
+
 def test_no_sync_needs_a_capacity_factor():
     """NoSync is capacity mode: without a factor its fixed blocks would need the worst case."""
     message = r"moe\.dispatcher \('no_sync'\) needs moe\.capacity_factor.*all_to_all"

@@ -112,3 +112,84 @@ def dequantize_mxfp8(
     block = k // scale_e8m0.shape[-1]
     q_b = q.float().reshape(*q.shape[:-1], k // block, block)
     return (q_b * mx_scale_to_float(scale_e8m0).unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+# --- per-group column scaling, for the FP8 weight gradient of grouped products ------------------
+#
+# The weight gradient of a grouped product sums over each group's rows: K is the jagged row dim.
+# `torch._scaled_grouped_mm` takes both operands K-major (rows contiguous, i.e. transposed) with
+# every group's K a non-empty multiple of 16, and one scale per (group, column) of each. These
+# lay a row-grouped (N, C) tensor out as (C, P): group g's rows at columns
+# offs_pad[g-1]:offs_pad[g-1] + count_g, zeros up to offs_pad[g]; P is a static bound.
+
+GROUP_ALIGN = 16
+
+
+def padded_group_offsets(offs_e: torch.Tensor) -> torch.Tensor:
+    """End offsets (int32) of the groups of `offs_e` (cumulative ends) padded to non-empty
+    multiples of GROUP_ALIGN; on the device, no host sync."""
+    counts = torch.diff(offs_e, prepend=offs_e.new_zeros(1))
+    padded = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).clamp_min(GROUP_ALIGN)
+    return padded.cumsum(0).to(torch.int32)
+
+
+def padded_group_width(num_rows: int, num_groups: int) -> int:
+    """A static bound on `padded_group_offsets(offs)[-1]` for groups within `num_rows` rows, a
+    multiple of GROUP_ALIGN (the row stride of a (C, P) FP8 operand must be 16-byte aligned)."""
+    rows = -(-num_rows // GROUP_ALIGN) * GROUP_ALIGN
+    return rows + GROUP_ALIGN * num_groups
+
+
+def _group_layout(
+    offs_e: torch.Tensor, offs_pad_e: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(group of each row, whether the row is in a group, its column in the padded layout)."""
+    offs = offs_e.long()
+    rows = torch.arange(num_rows, device=offs.device)
+    group = torch.searchsorted(offs, rows, right=True)  # first g with offs[g] > row
+    valid = group < offs.numel()
+    g = group.clamp(max=offs.numel() - 1)
+    start = offs - torch.diff(offs, prepend=offs.new_zeros(1))
+    pad_start = offs_pad_e.long() - torch.diff(offs_pad_e.long(), prepend=offs.new_zeros(1))
+    return g, valid, pad_start[g] + rows - start[g]
+
+
+def quantize_group_columns(
+    x_NC: torch.Tensor,
+    offs_e: torch.Tensor,
+    offs_pad_e: torch.Tensor,
+    width: int,
+    row_scale_N: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """v = x * row_scale (per row, fp32; none: v = x) scaled per (group, column) and laid out
+    transposed and padded: (q (C, width) e4m3fn, scale (e, C) fp32), with q[c, col(r)] =
+    e4m3(saturate(v[r, c] * 448 / amax[g, c])) and amax the group's largest finite |v| of the
+    column, as in `quantize_fp8_rowwise`. Rows past offs[-1] are left out; padding columns are
+    zero, so are columns past offs_pad[-1]."""
+    n, c = x_NC.shape
+    e = offs_e.numel()
+    group, valid, col = _group_layout(offs_e, offs_pad_e, n)
+    v = x_NC.float()
+    if row_scale_N is not None:
+        v = v * row_scale_N.float()[:, None]
+    finite_abs = torch.where(torch.isfinite(v) & valid[:, None], v.abs(), torch.zeros_like(v))
+    amax = v.new_zeros(e, c).scatter_reduce_(0, group[:, None].expand(n, c), finite_abs, "amax")
+    amax = amax.clamp_min(AMAX_EPS)
+    fp8_max = torch.full_like(amax, FP8_E4M3_MAX)
+    inv, scale = fp8_max / amax, amax / fp8_max
+    q = _saturate_to_e4m3(v * inv[group]).view(torch.uint8)
+    q_CP = torch.zeros(c, width, dtype=torch.uint8, device=x_NC.device)
+    q_CP[:, col[valid]] = q[valid].T
+    return q_CP.view(torch.float8_e4m3fn), scale
+
+
+def transpose_group_rows(
+    q_NC: torch.Tensor, offs_e: torch.Tensor, offs_pad_e: torch.Tensor, width: int
+) -> torch.Tensor:
+    """q's rows (any 1-byte dtype, e.g. FP8 rows) in the same transposed, padded layout as
+    `quantize_group_columns`, bytes unchanged: (C, width), zeros in the padding."""
+    n, c = q_NC.shape
+    _, valid, col = _group_layout(offs_e, offs_pad_e, n)
+    out = torch.zeros(c, width, dtype=torch.uint8, device=q_NC.device)
+    out[:, col[valid]] = q_NC.view(torch.uint8)[valid].T
+    return out.view(q_NC.dtype)
