@@ -46,7 +46,7 @@ from moetrain.model.transformer import Transformer
 from moetrain.optim.adamw import AdamW
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.data import all_reduce_stats
-from moetrain.parallel.expert import globalize_experts, localize, read_dispatch_stats
+from moetrain.parallel.expert import globalize_experts, localize
 from moetrain.parallel.mesh import ParallelDims, destroy_distributed, init_distributed
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline
@@ -59,6 +59,7 @@ from moetrain.train.build import (
     resolve_param_dtype,
 )
 from moetrain.train.graph import StepGraph
+from moetrain.train.log_stats import collect_log_values
 from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory_gib
 from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
 from moetrain.train.run_lock import RunDirLocked, RunLock
@@ -352,30 +353,9 @@ class Trainer:
     # ------------------------------------------------------------------ logging and eval
     def _log(self) -> float | None:
         t, acc = self.config.train, self._acc
-        values = {k: v.clone() for k, v in acc.items()}
-        for v in acc.values():  # zeroed in place: a captured step graph adds into these tensors
-            v.zero_()
-        stats = [layer.read_stats() for layer in self.model.moe_layers()]
-        dispatch = read_dispatch_stats(self.model)
-        utilization = {}  # receive-buffer rows used / allocated (NoSync), this rank's value
-        for i, (name, s) in enumerate(zip(self._moe_names, stats, strict=True)):
-            if f"{name}.dropped_routes" in dispatch:
-                s["dropped"] = dispatch[f"{name}.dropped_routes"]
-            if f"{name}.buffer_utilization" in dispatch and self.pipeline is None:
-                utilization[i] = dispatch[f"{name}.buffer_utilization"]
-        if self.pipeline is not None:  # every stage's layers, numbered as in one process
-            stats = self.pipeline.gather_moe_stats(stats)
-        if self.dims.world_size > 1:
-            scalars = torch.stack([values["loss"], values["good"]])
-            counts = [s[k] for s in stats for k in ("tokens_per_expert", "dropped") if k in s]
-            router = ("lb_loss", "z_loss", "entropy")  # means over the dp ranks, like the loss
-            means_L3 = scalars.new_zeros(len(stats), len(router))  # no rows: an all-dense model
-            for s, row in zip(stats, means_L3, strict=True):
-                row.copy_(torch.stack([s[k] for k in router]))
-            all_reduce_stats([scalars, means_L3, *counts], self.dims)
-            values["loss"], values["good"] = scalars[0] / self.dims.dp, scalars[1] / self.dims.dp
-            for s, row in zip(stats, means_L3 / self.dims.dp, strict=True):
-                s.update(zip(router, row, strict=True))
+        values, stats, utilization = collect_log_values(
+            acc, self.model, self._moe_names, self.pipeline, self.dims
+        )
         host = {k: v.item() for k, v in values.items()}
         good = max(host["good"], 1.0)
         self.skipped_total += int(round(host["bad"]))
