@@ -52,6 +52,12 @@ def main() -> None:
     )
     for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
         print(f"{sum(times):8.2f} ms {len(times):5d}x  [{classify(name)[:12]:12s}] {name[:150]}")
+    phases: dict[str, float] = {}
+    for name, times in kernels.items():
+        phases[classify(name)] = phases.get(classify(name), 0.0) + sum(times)
+    print("by phase (bench/phases.py's rules):")
+    for phase, ms in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"{ms:8.2f} ms  {phase}")
 
 
 if __name__ == "__main__":
