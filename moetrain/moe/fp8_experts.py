@@ -92,23 +92,25 @@ def fp8_swiglu_experts_backward(
     """(grad x, grad w_up, grad w_down, grad w_N: empty without row weights)."""
     dtype = x_ND.dtype
     grad_y_ND = grad_y_ND.to(dtype).contiguous()
-    grad_y_q, grad_y_scale = quantize_rows(grad_y_ND)
+    grad_y_fp8 = quantize_rows(grad_y_ND)
     grad_a_NF = scaled_grouped_mm(
-        grad_y_q, grad_y_scale, *quantized_weight(w_down_eFD, "F"), offs_e, dtype,
-        emulate, use_fast_accum,
-    )  # fmt: skip
+        *grad_y_fp8, *quantized_weight(w_down_eFD, "F"), offs_e, dtype, emulate, use_fast_accum
+    )
+    if not fp8_weight_grad:
+        del (
+            grad_y_fp8
+        )  # each temporary goes as soon as it is read: the peak is one layer's backward
     grad_h_N2F, grad_h_q, grad_h_scale, grad_w_N, a_NF = swiglu_fp8_backward(h_N2F, grad_a_NF, w_N)
-    del grad_a_NF  # each temporary goes as soon as it is read: the peak is one layer's backward
+    del grad_a_NF
     fp8 = dict(emulate=emulate, use_fast_accum=use_fast_accum)
     if fp8_weight_grad:
         del grad_y_ND, grad_h_N2F  # the FP8 rows stand for them
-        grad_w_down = grouped_weight_grad_fp8(
-            a_NF, grad_y_q, grad_y_scale, offs_e, w_down_eFD.dtype, **fp8
-        )
+        grad_w_down = grouped_weight_grad_fp8(a_NF, *grad_y_fp8, offs_e, w_down_eFD.dtype, **fp8)
+        del grad_y_fp8
     else:
         grad_w_down = _grouped_weight_grad(a_NF, grad_y_ND, offs_e).to(w_down_eFD.dtype)
         del grad_y_ND
-    del grad_y_q, grad_y_scale, a_NF
+    del a_NF
     grad_x_ND = scaled_grouped_mm(
         grad_h_q, grad_h_scale, *quantized_weight(w_up_eD2F, "F"), offs_e, dtype, **fp8
     )
