@@ -21,14 +21,7 @@ from __future__ import annotations
 import torch
 
 from moetrain.kernels import quant
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    if not x.is_cuda or torch.compiler.is_compiling():
-        return False
-    from moetrain.kernels import quant_triton
-
-    return quant_triton.triton_available()
+from moetrain.nn.fp8 import triton_quantizes
 
 
 def group_operands(
@@ -41,7 +34,7 @@ def group_operands(
     `scaled_weight_grad`, Triton kernels on a CUDA GPU, their torch twins elsewhere."""
     offs_pad = quant.padded_group_offsets(offs_e)
     width = quant.padded_group_width(a_NM.shape[0], offs_e.numel())
-    if _use_triton(a_NM):
+    if triton_quantizes(a_NM):
         from moetrain.kernels import quant_groups_triton as kernels
 
         a_q, a_scale = kernels.quantize_group_columns_triton(

@@ -47,14 +47,23 @@ def fp8_unsupported_reason(device: torch.device) -> str | None:
     return None
 
 
+def triton_quantizes(x: torch.Tensor) -> bool:
+    """Whether the Triton quantizers take x: eager on a CUDA GPU with Triton installed. Compiled
+    code and the CPU run the torch twins (same bits)."""
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    from moetrain.kernels import quant_triton
+
+    return quant_triton.triton_available()
+
+
 def quantize_rows(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """`quant.quantize_fp8_rowwise`: plain torch ops when compiling or off the GPU, the Triton
     kernel (same bits) eager on a CUDA GPU. Returns (q e4m3fn contiguous, scale fp32)."""
-    if x.is_cuda and not torch.compiler.is_compiling():
+    if triton_quantizes(x):
         from moetrain.kernels import quant_triton
 
-        if quant_triton.triton_available():
-            return quant_triton.quantize_fp8_rowwise_triton(x, dim=dim)
+        return quant_triton.quantize_fp8_rowwise_triton(x, dim=dim)
     return quant.quantize_fp8_rowwise(x, dim=dim)
 
 
@@ -76,11 +85,10 @@ def _(x):
 def quantize_rows_of_transpose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows(x.mT)`: q in x.mT's shape, contiguous, one scale per row of x.mT (per column
     of x). Eager on a CUDA GPU one Triton pass writes q transposed, with no bf16 copy of x.mT."""
-    if x.is_cuda and not torch.compiler.is_compiling():
+    if triton_quantizes(x):
         from moetrain.kernels import quant_triton
 
-        if quant_triton.triton_available():
-            return quant_triton.quantize_fp8_rowwise_triton(x, dim=-2, transposed=True)
+        return quant_triton.quantize_fp8_rowwise_triton(x, dim=-2, transposed=True)
     return quant.quantize_fp8_rowwise(x.mT, dim=-1)
 
 
