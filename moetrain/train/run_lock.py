@@ -6,11 +6,18 @@ and a random token. While it is held, a daemon thread refreshes the file's modif
 every `heartbeat_s` seconds. Another run treats the lock as stale, and takes it over, when the
 holder ran on this host and its pid no longer exists (a crash, a kill -9), or when the heartbeat
 is older than `stale_after_s` (a holder on another node that died, or a pid reused after a
-reboot). A takeover first renames the stale file to a unique name, which only one contender can
-do, and then creates its own; a contender that loses the race sees the winner's fresh lock.
-A lock this very process holds is taken over too (a library user building a second Trainer on
-the same directory after the first one). `release` removes the file only while it still holds
-this lock's token. Only the main rank takes the lock; the trainer tells the others the outcome.
+reboot). A lock this very process holds is taken over too (a library user building a second
+Trainer on the same directory after the first one).
+
+A take-over removes exactly the stale lock it judged, never a fresher one: it renames whatever
+is at `run.lock` to a unique name (one contender gets each file) and compares the token; when two
+contenders judged the same stale lock and the other one has already replaced it with its own,
+that lock is linked back into place (a link never replaces a newer file) and this contender
+looks again. A holder whose file no longer carries its token (a take-over after its heartbeat
+stalled past `stale_after_s`, or the rare triple race that the put-back loses) has lost the
+lock: the heartbeat records why in `lost`, and the trainer stops at its next step boundary
+without saving. `release` removes the file only while it still holds this lock's token. Only
+the main rank takes the lock; the trainer tells the others the outcome.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import threading
 import time
 import uuid
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +38,39 @@ LOCK_FILE = "run.lock"
 
 class RunDirLocked(ValueError):
     """Another live run holds the run directory."""
+
+
+@dataclass
+class _Holding:
+    """What the heartbeat thread and the finalizer share with a held lock (not the lock itself,
+    which they must not keep alive)."""
+
+    path: Path
+    token: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    lost: str | None = None
+
+    def beat(self) -> str | None:
+        """Refresh the heartbeat if the file still carries this token; else record and return
+        why the lock is lost."""
+        if self.lost is None:
+            holder = read_holder(self.path)
+            if holder is None:  # a contender may be putting it back (RunLock._break): look again
+                time.sleep(0.1)
+                holder = read_holder(self.path)
+            if holder is not None and holder.get("token") == self.token:
+                try:
+                    os.utime(self.path)
+                    return None
+                except FileNotFoundError:  # taken away between the read and the touch
+                    holder = None
+            self.lost = (
+                f"{self.path} was removed"
+                if holder is None
+                else f"{self.path} now belongs to pid {holder.get('pid')} on host "
+                f"{holder.get('host')}"
+            )
+        return self.lost
 
 
 class RunLock:
@@ -43,8 +84,18 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.token = uuid.uuid4().hex
-        self._stop = threading.Event()
+        self._holding: _Holding | None = None
         self._finalizer: weakref.finalize | None = None
+
+    @property
+    def lost(self) -> str | None:
+        """Why this run no longer holds the lock it acquired (seen by the last heartbeat)."""
+        return None if self._holding is None else self._holding.lost
+
+    def beat(self) -> str | None:
+        """Check now that the lock is still this run's, refreshing its heartbeat: None, or why
+        it was lost (before a save: never write into a directory another run owns)."""
+        return None if self._holding is None else self._holding.beat()
 
     def acquire(self) -> None:
         """Take the lock, or raise RunDirLocked describing the live holder."""
@@ -66,14 +117,15 @@ class RunLock:
                 reason = self._stale_reason(holder)
                 if reason is None:
                     raise RunDirLocked(self._describe(holder)) from None
-                self._break(reason)
+                self._break(holder, reason)
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
-            self._finalizer = weakref.finalize(self, _release, self.path, self.token, self._stop)
+            self._holding = holding = _Holding(self.path, self.token)
+            self._finalizer = weakref.finalize(self, _release, holding)
             threading.Thread(
                 target=_heartbeat,
-                args=(self.path, self.token, self._stop, self.heartbeat_s),
+                args=(holding, self.heartbeat_s),
                 name="moetrain-run-lock",
                 daemon=True,
             ).start()
@@ -97,15 +149,27 @@ class RunLock:
             return f"its heartbeat is {age:.0f} s old (stale after {self.stale_after_s:.0f} s)"
         return None
 
-    def _break(self, reason: str) -> None:
+    def _break(self, stale: dict[str, Any], reason: str) -> None:
+        """Remove the lock file if it is still the `stale` one; put back any other."""
         aside = self.path.with_name(f"{LOCK_FILE}.stale-{uuid.uuid4().hex}")
         try:
             os.replace(self.path, aside)
         except FileNotFoundError:  # another contender broke it first
             return
+        taken = read_holder(aside)
+        if taken is not None and taken.get("token") == stale.get("token"):
+            aside.unlink(missing_ok=True)
+            if reason != "held by this process":
+                print(f"note: took over the stale lock {self.path}: {reason}")
+            return
+        try:  # another contender's fresh lock: back into place, unless a newer one is there
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass  # its owner's heartbeat finds the lock lost and that run stops
+        except OSError:  # no hard links on this filesystem
+            if not self.path.exists():
+                os.replace(aside, self.path)
         aside.unlink(missing_ok=True)
-        if reason != "held by this process":
-            print(f"note: took over the stale lock {self.path}: {reason}")
 
     def _describe(self, holder: dict[str, Any]) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
@@ -143,22 +207,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _holds(path: Path, token: str) -> bool:
-    holder = read_holder(path)
-    return holder is not None and holder.get("token") == token
-
-
-def _heartbeat(path: Path, token: str, stop: threading.Event, every: float) -> None:
-    while not stop.wait(every):
-        if not _holds(path, token):
-            return
-        try:
-            os.utime(path)
-        except OSError:
+def _heartbeat(holding: _Holding, every: float) -> None:
+    while not holding.stop.wait(every):
+        if holding.beat() is not None:
             return
 
 
-def _release(path: Path, token: str, stop: threading.Event) -> None:
-    stop.set()
-    if _holds(path, token):
-        path.unlink(missing_ok=True)
+def _release(holding: _Holding) -> None:
+    holding.stop.set()
+    holder = read_holder(holding.path)
+    if holder is not None and holder.get("token") == holding.token:
+        holding.path.unlink(missing_ok=True)

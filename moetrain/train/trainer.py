@@ -68,7 +68,8 @@ from moetrain.train.wandb_log import WandbWriter, import_wandb
 
 
 class TrainingStopped(RuntimeError):
-    """Raised after saving when training cannot continue (too many non-finite steps)."""
+    """Raised on every rank when training cannot continue: too many non-finite steps (after
+    saving), or another run took the run directory over (without saving)."""
 
 
 class Trainer:
@@ -343,12 +344,24 @@ class Trainer:
         self._stop_requested = True
 
     def _agree_to_stop(self) -> bool:
-        """Every rank must stop after the same step: OR the local flags over a gloo (CPU) group."""
-        if self._control_group is None:
-            return self._stop_requested
-        flag = torch.tensor([int(self._stop_requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
-        return bool(flag.item())
+        """Every rank must stop after the same step: OR the local flags over a gloo (CPU) group.
+        A run whose lock the heartbeat found lost raises here, on every rank, saving nothing."""
+        lost = self.run_lock is not None and self.run_lock.lost is not None
+        flags = torch.tensor([int(self._stop_requested), int(lost)])
+        if self._control_group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
+        if flags[1]:
+            raise self._lock_lost()
+        return bool(flags[0])
+
+    def _lock_lost(self) -> TrainingStopped:
+        why = f" ({self.run_lock.lost})" if self.run_lock is not None else ""
+        return TrainingStopped(
+            f"this run lost the lock on its run directory {self.run_dir}{why}: another run took "
+            f"the directory over. Stopped after step {self.step} without saving, so as not to "
+            "write into a directory another run owns. Find which run should own it, stop the "
+            "other, and restart that one with --resume"
+        )
 
     # ------------------------------------------------------------------ logging and eval
     def _log(self) -> float | None:
@@ -470,6 +483,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         import yaml
 
+        lost = self.run_lock.beat() if self.run_lock is not None else None
+        if manager.first_error(lost) is not None:  # never save into another run's directory
+            raise self._lock_lost()
         return manager.save(
             self.checkpoint_root,
             self.step,

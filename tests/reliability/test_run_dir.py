@@ -12,7 +12,10 @@ import pytest
 from _bench import harness, run_dirs
 
 from moetrain import cli
+from moetrain.checkpoint import manager
+from moetrain.presets import tiny
 from moetrain.train.run_lock import LOCK_FILE, RunDirLocked, RunLock
+from moetrain.train.trainer import Trainer, TrainingStopped
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,3 +103,61 @@ def test_a_lock_left_by_a_crash_is_taken_over(tmp_path, module_cache):
     old = time.time() - 61
     os.utime(tmp_path / LOCK_FILE, (old, old))
     RunLock(tmp_path, heartbeat_s=1, stale_after_s=60).acquire()
+
+
+def _stale_lock(run_dir: Path) -> dict:
+    """A lock of a node that died: another host, a heartbeat far older than the limit."""
+    record = {"host": "dead-node", "pid": 1, "started": 0, "token": "stale"}
+    (run_dir / LOCK_FILE).write_text(json.dumps(record))
+    os.utime(run_dir / LOCK_FILE, (0, 0))
+    return record
+
+
+def test_two_contenders_for_one_stale_lock_leave_one_holder(tmp_path, monkeypatch):
+    """Two runs (a job requeued twice) judge the same stale lock; between the second's verdict
+    and its take-over, the first takes the lock over. The second must put the first's fresh
+    lock back and be refused, not rename it away (both would then train in one directory)."""
+    _stale_lock(tmp_path)
+    first, second = RunLock(tmp_path), RunLock(tmp_path)
+    judge = RunLock._stale_reason
+
+    def first_takes_over_after_the_verdict(self, holder):
+        reason = judge(self, holder)
+        if self is second and holder["token"] == "stale":
+            with monkeypatch.context() as other_node:  # the first runs on another node
+                other_node.setattr("socket.gethostname", lambda: "node-of-the-first")
+                first.acquire()
+        return reason
+
+    monkeypatch.setattr(RunLock, "_stale_reason", first_takes_over_after_the_verdict)
+    with pytest.raises(RunDirLocked, match="host node-of-the-first"):
+        second.acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == first.token
+    assert first.beat() is None and first.lost is None
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_FILE]  # nothing left aside
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("seen_by", ["heartbeat", "save"])
+def test_a_run_that_loses_its_lock_stops_without_saving(tmp_path, module_cache, seen_by):
+    """Another run takes the directory over after step 1 (its lock replaces this run's): the
+    run stops at that step's boundary (the heartbeat saw it) or at the save that follows (it
+    did not yet), with an error saying so, and writes no checkpoint into the directory."""
+    config = tiny().with_overrides([*harness.BASE, "train.steps=3", "train.checkpoint_every=1"])
+    trainer = Trainer(config, tmp_path, progress=False)
+    train_step = trainer.train_step
+
+    def taken_over_after_step_1(batches):
+        loss = train_step(batches)
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "h", "pid": 2, "token": "t"}))
+        if seen_by == "heartbeat":
+            trainer.run_lock.beat()  # what the heartbeat thread does every 15 s
+        return loss
+
+    trainer.train_step = taken_over_after_step_1
+    with pytest.raises(TrainingStopped, match="lost the lock .* pid 2 on host h.* without saving"):
+        trainer.train()
+    assert trainer.step == 1 and not manager.list_complete(tmp_path / "checkpoints")
+    trainer.shutdown()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "t"  # not released
