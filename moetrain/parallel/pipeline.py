@@ -26,7 +26,8 @@ those of the mean loss over the step's batch, as in the unpipelined loop; the sc
 scaling is off (`scale_grads=False`): it would divide gradients after the sync hooks read them.
 Every backward of a stage but its last runs under the optimizer's `no_sync()`; the last lets the
 gradient-sync hooks launch reductions while the rest of the backward runs. Zero-bubble weight
-passes write `.grad` without the hooks; the trainer's `finish_grad_sync()` collects those.
+passes write `.grad` without autograd's hooks, so the stage runs them after each (`_Stage`): every
+micro-batch's gradient reaches the fp32 accumulation buffers, as under the other schedules.
 
 Reductions across stages: the loss (known on the last stage) is summed over pp every step, since
 every stage must agree on skipping a non-finite step; the gradient norm sums over pp in
@@ -198,14 +199,27 @@ class StageModule(nn.Module):
 
 class _Stage(PipelineStage):
     """A PipelineStage whose backward passes, all but the step's last, run under `no_sync`,
-    so gradient-sync hooks fire once per step, on the last backward."""
+    so gradient-sync hooks launch reductions once per step, on the last backward.
+
+    torch's zero-bubble weight pass (`stage_backward_weight`) writes `.grad` itself, bypassing
+    autograd's AccumulateGrad and so the post-accumulate-grad hooks through which the gradient
+    sync adds each micro-batch's gradient into its fp32 buffer (`precision.grad_dtype`): the
+    micro-batches would be summed in bf16 in `.grad`. After each weight pass the stage runs
+    those hooks on the gradients it wrote, as AccumulateGrad would have."""
 
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         quiet = self.no_sync is not None and not last_backward
         with self.no_sync() if quiet else contextlib.nullcontext():
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            if backward_type == "weight":
+                for param in self.submod.parameters():
+                    hooks = param._post_accumulate_grad_hooks
+                    if param.grad is not None and hooks:
+                        for hook in list(hooks.values()):
+                            hook(param)
+        return result
 
 
 class Pipeline:

@@ -187,6 +187,53 @@ def test_pp2_dp2_ep2_matches_single_process():
     run_distributed(_run_cases, 4, cases)
 
 
+def _bf16_stage_gradients(schedule: str) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
+    """One step of this rank's bf16 stage with fp32 gradient accumulation (GradientSync, as
+    `precision.grad_dtype=fp32` builds it): per parameter, the accumulated fp32 gradient and
+    the bf16 gradients of the micro-batches as autograd's post-accumulate hooks saw them."""
+    config = tiny_config(2, 1, 1, schedule)
+    dims = init_distributed(config)
+    with torch.device("meta"):
+        model = Transformer(config)
+    parallelize(model, config, dims)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.to(torch.bfloat16)
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():  # before GradientSync's hooks, which free .grad
+        param.register_post_accumulate_grad_hook(lambda p, n=name: seen[n].append(p.grad.clone()))
+    sync = GradientSync(model, dims, grad_dtype=torch.float32)
+    pipeline = Pipeline(model, config, dims)
+    tokens = torch.randint(
+        0, VOCAB, (ACCUM, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5)
+    )
+    pipeline.forward_backward(iter([(b[:, :-1], b[:, 1:]) for b in tokens]), sync.no_sync)
+    sync.finish()
+    return {name: (p.main_grad.clone(), seen[name]) for name, p in model.named_parameters()}
+
+
+def _zero_bubble_accumulates_in_fp32(rank, world_size):
+    one_f_one_b, zero_bubble = (_bf16_stage_gradients(s) for s in ("1f1b", "zero_bubble"))
+    rounded = 0
+    for name, (grad, micro) in one_f_one_b.items():
+        assert len(micro) == ACCUM, name
+        fp32_sum, bf16_sum = micro[0].float(), micro[0]
+        for g in micro[1:]:
+            fp32_sum, bf16_sum = fp32_sum + g.float(), bf16_sum + g
+        assert torch.equal(grad, fp32_sum), f"1f1b: {name}"
+        # the zero-bubble stage's gradient is the same fp32 sum of the same micro-batch gradients
+        assert torch.equal(zero_bubble[name][0], fp32_sum), f"zero_bubble: {name}"
+        rounded += not torch.equal(bf16_sum.float(), fp32_sum)
+    assert rounded >= len(one_f_one_b) - 2  # a bf16 sum would differ: the test can fail
+
+
+def test_zero_bubble_stage_accumulates_bf16_gradients_in_fp32():
+    """bf16 parameters, 4 micro-batches, pp=2: every stage's gradient, under zero_bubble as under
+    1f1b, is the fp32 sum of its micro-batches' bf16 gradients (torch's split weight pass writes
+    `.grad` itself; without the stage running the accumulation hooks it summed them in bf16)."""
+    run_distributed(_zero_bubble_accumulates_in_fp32, 2)
+
+
 # ---- the trainer: pp=2 x dp=2 (ep=2) checkpoint, resumed at pp=1 in one process ---------------
 def _records(run_dir: Path, kind: str) -> dict[int, dict]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
