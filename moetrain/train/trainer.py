@@ -177,7 +177,13 @@ class Trainer:
         self.console = Console(t.steps, self.step, enabled=progress and self.is_main)
         wandb = None
         if self.is_main and t.wandb_project is not None:
-            wandb = WandbWriter(self.run_dir, t.wandb_project, config.name, config.to_dict())
+            wandb = WandbWriter(
+                self.run_dir,
+                t.wandb_project,
+                config.name,
+                config.to_dict(),
+                resumed=self.resumed_from is not None,
+            )
         self.metrics = MetricsSink(self.run_dir, enabled=self.is_main, wandb=wandb)
         self.throughput = Throughput(flops_per_token(config), self.device)
         self.gaming = TokenGamingDetector()

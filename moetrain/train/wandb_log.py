@@ -6,8 +6,9 @@ silent no-op, and a run that does not ask never imports it. Without an API key (
 WANDB_API_KEY, no `wandb login` entry in ~/.netrc) the run is logged offline into the run
 directory (`wandb sync` uploads it later), so training never needs a network; WANDB_MODE, when
 set, is obeyed. The scalars are those of TensorBoard under the same tags (`scalar_tags`), at the
-training step. The W&B run id is kept in RUN_DIR/wandb-run-id, so `--resume` continues the same
-W&B run.
+training step. The W&B run id is kept in RUN_DIR/wandb-run-id: a run resumed from a checkpoint
+continues that W&B run, and every other start (`--overwrite`, a `--resume` that found no
+checkpoint) begins a new one, whose steps W&B would otherwise drop as older than the old run's.
 """
 
 from __future__ import annotations
@@ -51,13 +52,22 @@ def default_mode() -> str:
 
 
 class WandbWriter:
-    """Logs train/eval records to one W&B run, resumed across restarts of the same run dir."""
+    """Logs train/eval records to one W&B run, continued when `resumed` (from a checkpoint of
+    the run dir), else a new one."""
 
-    def __init__(self, run_dir: str | Path, project: str, name: str, config: dict[str, Any]):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        project: str,
+        name: str,
+        config: dict[str, Any],
+        *,
+        resumed: bool,
+    ):
         wandb = import_wandb(project)
         run_dir = Path(run_dir)
         id_file = run_dir / RUN_ID_FILE
-        if id_file.is_file():
+        if resumed and id_file.is_file():
             run_id = id_file.read_text().strip()
         else:
             run_id = uuid.uuid4().hex[:12]

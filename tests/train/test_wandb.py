@@ -95,3 +95,17 @@ def test_missing_package_is_a_start_up_error(tmp_cache, tmp_path, monkeypatch):
 def test_off_by_default_never_imports_wandb(tmp_cache, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     Trainer(_cfg("train.steps=2", "train.eval_every=0"), tmp_path / "run", progress=False).train()
+
+
+def test_overwrite_starts_a_new_wandb_run(tmp_cache, tmp_path, fake_wandb):
+    """--overwrite deletes the earlier run and starts at step 1: a W&B run of its own (resuming
+    the old one, W&B would drop steps 1, 2, ... as older than its last step)."""
+    common = ("train.wandb_project=p", "train.checkpoint_every=2", "train.eval_every=0")
+    Trainer(_cfg("train.steps=2", *common), tmp_path / "run", progress=False).train()
+    Trainer(
+        _cfg("train.steps=2", *common), tmp_path / "run", overwrite=True, progress=False
+    ).train()
+    first, second = fake_wandb
+    assert first.kwargs["id"] != second.kwargs["id"]
+    assert [s for s, _ in second.logged] == [2]
+    assert (tmp_path / "run" / "wandb-run-id").read_text().strip() == second.kwargs["id"]
