@@ -144,8 +144,11 @@ class AdamW:
             del self.opt.found_inf
             self.opt.__dict__.pop("grad_scale", None)
         else:
-            if clip is not None:
-                torch._foreach_mul_([t.grad for t in targets if t.grad is not None], clip)
+            if clip is not None:  # per group: FSDP2's expert and dense gradients differ in mesh
+                for group in self.opt.param_groups:
+                    grads = [t.grad for t in group["params"] if t.grad is not None]
+                    if grads:
+                        torch._foreach_mul_(grads, clip)
             before = [t.detach().clone() for t in targets]
             states = [{k: v.clone() for k, v in self.opt.state[t].items()} for t in targets]
             self.opt.step()

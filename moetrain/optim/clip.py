@@ -9,9 +9,9 @@ different experts, and pipeline stages hold different layers. So
            + expert^2 summed over the ep group
            and the whole thing summed over the pp stages.
 
-The sharded optimizer (sharded.py) computes its norm from the shards it owns instead; both share
-`clip_coefficient`, which matches `torch.nn.utils.clip_grad_norm_`. Results stay on the device:
-no host sync.
+FSDP2's sharded DTensor gradients take `sharded_grad_norm`; the sharded optimizer (sharded.py)
+computes its norm from the shards it owns. All share `clip_coefficient`, which matches
+`torch.nn.utils.clip_grad_norm_`. Results stay on the device: no host sync.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from moetrain.kernels import sum_of_squares_triton
 
@@ -84,6 +85,35 @@ def global_grad_norm(
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     return total_sq.sqrt()
+
+
+def sharded_grad_norm(
+    params_with_kinds: Iterable[tuple[torch.Tensor, str]],
+    *,
+    ep_group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """L2 norm of FSDP2's gradients (DTensors sharded over a data-parallel mesh), as a plain
+    scalar, the same on every rank. FSDP2 shards dense weights over dp and, under expert
+    parallelism, each rank's experts over edp: two meshes, which one norm over all gradients
+    cannot mix. So each mesh's norm is taken by torch (`get_total_norm` of its DTensors,
+    reduced over the mesh by `full_tensor`), squared, and the experts' part, whose ep ranks hold
+    different experts, summed over `ep_group`."""
+    by_mesh: dict[tuple[bool, Any], list[torch.Tensor]] = {}
+    device = torch.device("cpu")
+    for param, kind in params_with_kinds:
+        device = param.device
+        if param.grad is not None:
+            key = (kind == EXPERT, getattr(param.grad, "device_mesh", None))
+            by_mesh.setdefault(key, []).append(param.grad)
+    squares = {kind: torch.zeros((), dtype=torch.float32, device=device) for kind in (False, True)}
+    for (expert, _), grads in by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares[expert] = squares[expert] + norm.float().square()
+    if ep_group is not None:
+        dist.all_reduce(squares[True], group=ep_group)
+    return (squares[False] + squares[True]).sqrt()
 
 
 def clip_grad_norm_(

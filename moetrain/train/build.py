@@ -26,7 +26,7 @@ from moetrain.nn.attention import Attention
 from moetrain.nn.fp8 import check_fp8_widths, fp8_unsupported_reason
 from moetrain.nn.mlp import SwiGLU
 from moetrain.optim.adamw import AdamW
-from moetrain.optim.clip import global_grad_norm, params_with_kinds
+from moetrain.optim.clip import global_grad_norm, params_with_kinds, sharded_grad_norm
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
 from moetrain.parallel.data import GradientSync
@@ -64,8 +64,8 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
     pairs = params_with_kinds(groups)
 
     def norm_fn() -> torch.Tensor:
-        if fsdp:  # DTensor gradients: torch's norm understands their sharding
-            return torch.nn.utils.get_total_norm([p.grad for p, _ in pairs if p.grad is not None])
+        if fsdp:  # DTensor gradients on one mesh per kind (dense over dp, experts over edp)
+            return sharded_grad_norm(pairs, ep_group=dims.ep_group)
         return global_grad_norm(pairs, ep_group=dims.ep_group, pp_group=dims.pp_group)
 
     optimizer = AdamW(

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import run_distributed
+from torch.distributed.tensor import DTensor
 
 from moetrain.config import (
     ModelConfig,
@@ -28,8 +29,11 @@ from moetrain.config import (
 )
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.moe.dispatch import LocalDispatcher
+from moetrain.optim.adamw import AdamW
+from moetrain.optim.param_groups import build_param_groups
 from moetrain.parallel import GradientSync, init_distributed, is_expert_param, parallelize
 from moetrain.parallel.expert import read_dispatch_stats
+from moetrain.train.build import build_optimizer
 
 pytestmark = pytest.mark.distributed
 
@@ -49,7 +53,7 @@ def tiny_config(dp: int, ep: int, dispatcher: str, payload: str = "bf16", **para
             capacity_factor=capacity_factor,
         ),
         parallel=ParallelConfig(dp=dp, ep=ep, **parallel),
-        train=TrainConfig(seq_len=SEQ, micro_batch_size=BATCH, seed=3),
+        train=TrainConfig(seq_len=SEQ, micro_batch_size=BATCH, seed=3, eps=1e-6),
         precision=PrecisionConfig(dispatch=payload),
     )
 
@@ -170,14 +174,26 @@ def test_ep_dp_training_matches_single_process_world4():
 
 
 def run_fsdp_case(config: RunConfig) -> None:
-    """FSDP2 baseline: shard a materialized model, train, compare with one process."""
+    """FSDP2 baseline: shard a materialized model, train with the trainer's optimizer and
+    gradient-norm clipping (which binds), compare with one process: loss, every gradient, the
+    norm, and the weights after each step."""
     dims = init_distributed(config)
     reference = build_model(dataclasses.replace(config, parallel=ParallelConfig()))
     model = parallelize(
         build_model(dataclasses.replace(config, parallel=ParallelConfig())), config, dims
     )
     ref_params = dict(reference.named_parameters())
-    opt, ref_opt = make_adamw(model), make_adamw(reference)
+    opt = build_optimizer(model, config, dims)
+    ref_grads = lambda: [p.grad for p in reference.parameters()]  # noqa: E731
+    ref_opt = AdamW(
+        build_param_groups(reference, config.train),
+        betas=(config.train.beta1, config.train.beta2),
+        eps=config.train.eps,
+        master_weights=False,
+        fused=False,
+        norm_fn=lambda: torch.nn.utils.get_total_norm(ref_grads()),
+    )
+    ref_opt.init_state()
     generator = torch.Generator().manual_seed(99)
     tokens = torch.randint(0, VOCAB, (STEPS, dims.dp, BATCH, SEQ + 1), generator=generator)
     for layer in reference.moe_layers():
@@ -199,8 +215,17 @@ def run_fsdp_case(config: RunConfig) -> None:
                 offset = model.get_submodule(name.rsplit(".", 1)[0]).expert_offset
                 expected = expected[offset : offset + config.moe.num_experts // dims.ep]
             assert_close_rel(param.grad.full_tensor(), expected, f"fsdp step {step} {name}")
-        opt.step()
-        ref_opt.step()
+        max_norm = 0.5 * torch.nn.utils.get_total_norm(ref_grads()).item()  # clipping binds
+        norm = opt.step(1e-3, max_norm)
+        ref_norm = ref_opt.step(1e-3, max_norm)
+        assert not isinstance(norm, DTensor)
+        assert_close_rel(norm, ref_norm, f"fsdp step {step} gradient norm")
+        for name, param in model.named_parameters():
+            expected = ref_params[name].detach()
+            if is_expert_param(name):
+                offset = model.get_submodule(name.rsplit(".", 1)[0]).expert_offset
+                expected = expected[offset : offset + config.moe.num_experts // dims.ep]
+            assert_close_rel(param.full_tensor(), expected, f"fsdp step {step} weight {name}")
         opt.zero_grad()
         ref_opt.zero_grad()
 
