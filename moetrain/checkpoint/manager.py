@@ -5,7 +5,7 @@ A save writes into `step-N.tmp/`: the DCP shards of the tensor state (model, opt
 `config.yaml`, the caller's extra files (the trainer's: the run's tokenizer), and last a `manifest.json` listing every file with its size and SHA-256. Then rank 0
 renames the directory to `step-N/`. A directory without a manifest, or whose name ends in `.tmp`,
 is never picked by `latest()`; a crash mid-save therefore leaves the previous checkpoint as the
-newest complete one. `verify()` rechecks sizes and hashes, so truncation or bit rot is a clear
+newest complete one. A resume of several ranks lets rank 0 pick and hash (`agree_on_latest`). `verify()` rechecks sizes and hashes, so truncation or bit rot is a clear
 error instead of a confusing failure deep inside torch. A checkpoint that fails verification on
 resume (or, by its sizes, at rotation) is moved aside to `step-N.corrupt/`: never resumed from,
 never counted among the kept, never deleted. Rotation keeps the newest `keep` checkpoints that
@@ -398,6 +398,32 @@ def latest(root: Path | str, check_hashes: bool = True, move_corrupt: bool = Fal
             else:
                 print(f"warning: skipping checkpoint: {exc}")
     return None
+
+
+def agree_on_latest(root: Path | str) -> Path | None:
+    """Collective (every rank calls it): what a resume loads. Rank 0 alone picks the newest
+    checkpoint that verifies (`latest`: each file hashed once, corrupt newer ones moved aside)
+    and every rank gets that path, so they cannot pick apart, and none hashes again (load with
+    check_hashes=False). A file rank 0 cannot read (an OSError: permissions, an I/O error) is
+    not corruption: it is the same CheckpointError on every rank, instead of one rank dying
+    while the others wait in the load."""
+    found = error = None
+    if _rank() == 0:
+        try:
+            path = latest(root, move_corrupt=True)
+            found = None if path is None else path.name
+        except OSError as exc:
+            error = (
+                f"cannot read the checkpoints under {root} to verify them: {exc}; fix the "
+                "storage or its permissions and resume again"
+            )
+    if dist.is_initialized():
+        agreed = [(found, error)]
+        dist.broadcast_object_list(agreed, src=0)
+        found, error = agreed[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return None if found is None else Path(root) / found
 
 
 def move_aside(path: Path) -> Path:

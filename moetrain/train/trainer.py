@@ -155,9 +155,9 @@ class Trainer:
 
         self.resumed_from: Path | None = None
         if resume:
-            latest = manager.latest(self.checkpoint_root, move_corrupt=self.is_main)
+            latest = manager.agree_on_latest(self.checkpoint_root)  # rank 0 picks and hashes
             if latest is not None:
-                self.load_checkpoint(latest)
+                self.load_checkpoint(latest, verified=True)
                 self.resumed_from = latest
             elif manager.unusable(self.checkpoint_root):
                 names = ", ".join(p.name for p in manager.unusable(self.checkpoint_root))
@@ -502,13 +502,14 @@ class Trainer:
             extra_files=self._tokenizer_files,
         )
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Resume from `path`. Its config.yaml must agree with this run's on the architecture and
-        the data (moetrain/config_resume.py); anything else may have changed."""
+    def load_checkpoint(self, path: str | Path, *, verified: bool = False) -> None:
+        """Resume from `path` (its files' hashes checked unless `verified` already). Its
+        config.yaml must agree with this run's on the architecture and the data
+        (moetrain/config_resume.py); anything else may have changed."""
         saved = Path(path) / "config.yaml"
         check_resumable(RunConfig.load_yaml(saved), self.config, str(saved))
         state = self.tensor_state()
-        trainer_state = manager.load(path, state)
+        trainer_state = manager.load(path, state, check_hashes=not verified)
         if trainer_state.get("data_fingerprint") != self.data_fingerprint:
             check_same_data(self.config.data, trainer_state.get("data_fingerprint"), path)
         self.optimizer.load_state_dict(localize(state["optim"]))

@@ -149,3 +149,62 @@ def test_rotation_never_keeps_a_corrupt_checkpoint_nor_deletes_the_newest_good_o
         "step-4.corrupt",
         "step-5",
     ]
+
+
+def _agree_on_latest(rank, world_size, root):
+    """Every rank resumes as the trainer does, twice: agree on the checkpoint, then load it
+    without hashing again; then with every file unreadable. Returns (the path's name, the files
+    this rank hashed, the error of the second)."""
+    return (*_resume(root, False), _resume(root, True)[0])
+
+
+def _resume(root, fail_read):
+    import errno
+
+    import torch.distributed as dist
+
+    hashed = []
+    sha256 = manager._sha256
+
+    def counted(path):
+        if fail_read:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        hashed.append(f"{path.parent.name}/{path.name}")
+        return sha256(path)
+
+    manager._sha256 = counted
+    try:
+        path = manager.agree_on_latest(root)
+        target = _empty()
+        manager.load(path, target, check_hashes=False)
+        assert torch.equal(target["model"]["w"], _state(2)["model"]["w"])
+        return path.name, hashed
+    except manager.CheckpointError as exc:
+        return str(exc), hashed
+    finally:
+        manager._sha256 = sha256
+        dist.barrier()
+
+
+@pytest.mark.distributed
+def test_ranks_resume_from_the_checkpoint_rank_0_picked_and_hash_it_once(tmp_path):
+    """step-3 (the newest) is corrupt: rank 0 hashes, moves it aside and picks step-2, each file
+    once; rank 1 loads what rank 0 picked and hashes nothing. A file rank 0 cannot read is the
+    same clear error on both ranks (not a PermissionError on one while the other waits)."""
+    from conftest import run_distributed
+
+    for step in (1, 2, 3):
+        manager.save(tmp_path, step, _state(step), {"step": step}, "", keep=3)
+    shard = next((tmp_path / "step-3").glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    files = sorted(f"step-2/{p.name}" for p in (tmp_path / "step-2").iterdir())
+    (rank0, hashed0, error0), (rank1, hashed1, error1) = run_distributed(
+        _agree_on_latest, 2, str(tmp_path), timeout=120
+    )
+    assert rank0 == rank1 == "step-2" and (tmp_path / "step-3.corrupt").is_dir()
+    files.remove(f"step-2/{manager.MANIFEST}")
+    assert sorted(h for h in hashed0 if h.startswith("step-2/")) == files
+    assert len(hashed0) == len(set(hashed0)) and hashed1 == []
+    assert error0 == error1 and "cannot read the checkpoints" in error0
+    assert "Permission denied" in error0

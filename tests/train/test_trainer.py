@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import two_source_mix
 
+from moetrain.checkpoint import manager
 from moetrain.cli import main
 from moetrain.presets import tiny
 from moetrain.train.trainer import Trainer, TrainingStopped
@@ -69,13 +70,16 @@ def test_fp8_training_on_tiny_tracks_bf16(tmp_cache, tmp_path):
     assert abs(a[30] - b[30]) < 0.02 * b[30], (a[30], b[30])
 
 
-def test_resume_is_bitwise(tmp_cache, tmp_path):
+def test_resume_is_bitwise(tmp_cache, tmp_path, monkeypatch):
     Trainer(
         _cfg("train.steps=12", "train.checkpoint_every=6"), tmp_path / "full", progress=False
     ).train()
     Trainer(
         _cfg("train.steps=6", "train.checkpoint_every=6"), tmp_path / "part", progress=False
     ).train()
+    hashed = []  # a resume reads each checkpoint file's bytes for its hash once, not twice
+    sha256 = manager._sha256
+    monkeypatch.setattr(manager, "_sha256", lambda path: hashed.append(path) or sha256(path))
     # A resumed run with a longer horizon must reuse the same schedule: resume with steps=12
     t = Trainer(
         _cfg("train.steps=12", "train.checkpoint_every=6"),
@@ -84,6 +88,7 @@ def test_resume_is_bitwise(tmp_cache, tmp_path):
         progress=False,
     )
     assert t.step == 6
+    assert len(hashed) == len(set(hashed)) == len(list(t.resumed_from.iterdir())) - 1
     t.train()
     full, part = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
     for step in (8, 10, 12):
