@@ -5,18 +5,22 @@ uint32, documents separated by a known EOS id, stored as headerless memory maps 
 ``.bin`` names; OLMo-core's ``.npy`` files carry no header) or as real ``.npy`` arrays.
 `prepare_pretokenized` checks such files once (every id below the stated vocabulary, the EOS id
 in it) and writes a token directory holding only ``meta.json`` (and the tokenizer's
-``tokenizer.json`` when one is named): the files (absolute path, byte
-offset of the first token, token count, SHA-256 of the token bytes), vocabulary size, EOS id,
-dtype, and per-split token and document counts. The tokens are never copied. The files, in
+``tokenizer.json`` when one is named): the files (absolute path, byte offset of the first token,
+token count, SHA-256 of the token bytes, modification time), vocabulary size, EOS id, dtype, and
+per-split token and document counts. The tokens are never copied. The files, in
 sorted order, form one stream; train is its head and val its tail from a document boundary near
 (1 - val_fraction) of the tokens. `open_split` memory-maps the files back: one array when the
 split lies in one file, else a `ShardedTokens` view that gathers across files. Invariants: the
 directory is written atomically like any token directory; a file whose size changed since
-prepare is a `ValueError` at start-up; a model vocabulary smaller than the corpus's is one too.
+prepare is a `ValueError` at start-up, and so is one whose modification time changed and whose
+tokens no longer hash to the recorded SHA-256 (a file rewritten in place; a file only touched or
+copied is hashed again at every start, until prepared again); a model vocabulary smaller than the
+corpus's is one too.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 from collections.abc import Iterator
@@ -236,11 +240,20 @@ def prepare_pretokenized(
     token_dtype = np.dtype(dtype).newbyteorder("<")
     files, parts, num_eos = [], [], 0
     for path in _expand(inputs):
+        mtime_ns = path.stat().st_mtime_ns  # before reading: a write during the scan shows later
         offset, num_tokens = _layout(path, token_dtype)
         tokens = _map(path, token_dtype, offset, num_tokens)
         file_eos, sha = _scan(path, tokens, vocab_size, eos_id)
         num_eos += file_eos
-        files.append({"path": str(path), "offset": offset, "num_tokens": num_tokens, "sha256": sha})
+        files.append(
+            {
+                "path": str(path),
+                "offset": offset,
+                "num_tokens": num_tokens,
+                "sha256": sha,
+                "mtime_ns": mtime_ns,
+            }
+        )
         parts.append(tokens)
     stream = ShardedTokens(parts)
     val_start = _val_start(stream, val_fraction, eos_id)
@@ -279,14 +292,31 @@ def _split_parts(meta: dict[str, Any], data_dir: Path, split: str) -> Iterator[n
         if begin >= end:
             continue
         expected = record["offset"] + n * dtype.itemsize
-        size = path.stat().st_size if path.is_file() else None
-        if size != expected:
-            found = "is missing" if size is None else f"has {size} bytes, not {expected}"
+        stat = path.stat() if path.is_file() else None
+        found = None
+        if stat is None or stat.st_size != expected:
+            found = "is missing" if stat is None else f"has {stat.st_size} bytes, not {expected}"
+        elif record.get("mtime_ns", stat.st_mtime_ns) != stat.st_mtime_ns:  # rewritten in place?
+            digest = _content_sha256(str(path), record["offset"], expected, stat.st_mtime_ns)
+            if digest != record["sha256"]:
+                found = "holds other tokens (its SHA-256 differs)"
+        if found is not None:
             raise ValueError(
                 f"token file {path} of {data_dir} {found}: it changed since `moetrain prepare "
                 "--pretokenized` indexed it; restore it or prepare the directory again"
             )
         yield _map(path, dtype, record["offset"], n)[begin:end]
+
+
+@functools.lru_cache(maxsize=256)
+def _content_sha256(path: str, offset: int, end: int, mtime_ns: int) -> str:  # noqa: ARG001
+    """SHA-256 of bytes [offset, end) of a file (its tokens), once per modification time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for chunk in iter(lambda: f.read(min(1 << 24, end - f.tell())), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def open_split(

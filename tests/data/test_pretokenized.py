@@ -2,6 +2,7 @@
 files without copying them, and runs read exactly those tokens back."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -223,3 +224,24 @@ def test_recorded_tokenizer_lets_generate_decode(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--checkpoint", run, "--prompt", "def ", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+
+
+def test_a_file_rewritten_in_place_with_the_same_size_is_a_startup_error(tmp_path):
+    """Size and modification time are checked at every start; when the time changed, the file's
+    tokens are hashed again: other tokens of the same length are an error, a touch is not."""
+    tokens = corpus(100, 300, seed=5, dtype="uint16")
+    shards = write_three_layouts(tmp_path / "shards", tokens)
+    out = prepare_pretokenized(
+        [shards], tmp_path / "tok", dtype="uint16", eos_id=EOS, vocab_size=300
+    )
+    part = shards / "part-01.npy"
+    later = part.stat().st_mtime_ns + 10**9
+    os.utime(part, ns=(later, later))  # touched (or copied): same tokens, still readable
+    assert np.array_equal(load_split(out, "train")[:10], tokens[:10])
+    rewritten = np.memmap(part, dtype=np.uint16, mode="r+")
+    rewritten[:3] = rewritten[:3] % 299 + 1  # other ids, same length
+    rewritten.flush()
+    del rewritten
+    os.utime(part, ns=(later + 10**9, later + 10**9))
+    with pytest.raises(ValueError, match=r"part-01\.npy of .* holds other tokens .* it changed"):
+        open_data(DataConfig(path=str(out)), vocab_size=320)
