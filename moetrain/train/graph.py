@@ -3,8 +3,8 @@
 Why: nothing in moetrain's step waits for the host (no `.item()`, no data-dependent shapes or
 branches), so the whole step (forward, backward, clip, optimizer, MoE bias update, metric sums) is
 a fixed sequence of kernels. Replaying it as one graph removes the host's launch work, which on
-small models is longer than the GPU's: on the H200 `small` went from 58.1 to 54.6 ms a step
-(same job), the GPU no longer waiting for Python to launch the next kernel.
+small models is longer than the GPU's: the GPU no longer waits for Python to launch the next
+kernel (docs/design.md has the measured gain).
 
 What changes between steps travels through memory the graph reads, never through launch
 arguments: the micro-batches are copied into static input buffers and the learning rate into a
@@ -12,8 +12,10 @@ device scalar (the Triton AdamW reads it from there). The first `warmup` steps r
 side stream as torch.cuda.graph asks, so compilation, autotuning and the optimizer state happen
 before capture; the step at which the graph is captured then runs as its first replay.
 
-`StepGraph.unsupported_reason` says why a configuration cannot be graphed (learned routing; BF16
-expert GEMMs; the replicated AdamW with the Triton kernel; several processes: see below).
+`StepGraph.unsupported_reason` says why a configuration cannot be graphed: random routing; fp32
+expert GEMMs (torch's `_grouped_mm` runs fp32 on CUDA as a loop over the experts that reads the
+offsets on the host); an optimizer other than the replicated AdamW with the Triton kernel;
+several processes (see below).
 
 Several processes (world size > 1): NCCL (>= 2.9.6) collectives can be captured, and the graph
 then holds every collective of the step: the NoSync dispatcher's all-to-alls and counts
@@ -78,6 +80,14 @@ class StepGraph:
                 return reason
         if config.moe.routing != "learned":
             return "random routing reseeds its generator on the host at every draw"
+        if config.precision.param_dtype == "fp32" and config.model.num_dense_layers < (
+            config.model.num_layers
+        ):
+            return (
+                "fp32 expert GEMMs (precision.param_dtype=fp32): torch._grouped_mm has a CUDA "
+                "kernel for bf16 only and runs other dtypes as a loop over the experts that "
+                "copies the offsets to the host, which a capture refuses"
+            )
         if config.train.optimizer != "adamw" or adamw_kernel != "triton":
             return "it needs train.optimizer=adamw with the Triton kernel (a device learning rate)"
         return None
