@@ -67,6 +67,24 @@ def test_resume_is_exact_and_world_size_free():
         again.load_state_dict({"sources": [{"epoch": 0, "windows": 0}]})
 
 
+def test_resume_after_a_source_wrapped_its_epoch():
+    """Source 1 (7 windows) has gone through its epoch twice when the state is taken: the
+    resumed loader must continue in that source's third epoch (its own permutation), with the
+    counts of a run that never stopped."""
+    full = MixedLoader(streams(), [0.7, 0.3], SEQ, 4, seed=2)
+    expected = [next(full)[0] for _ in range(18)]
+    part = MixedLoader(streams(), [0.7, 0.3], SEQ, 4, seed=2)
+    for _ in range(13):
+        next(part)
+    assert part.epochs[1] == 2 and part.windows[1] > 0
+    again = MixedLoader(streams(), [0.7, 0.3], SEQ, 4, seed=2)
+    again.load_state_dict(part.state_dict())
+    assert again.counts() == part.counts()
+    for want in expected[13:]:
+        assert torch.equal(next(again)[0], want)
+    assert again.counts() == full.counts()
+
+
 def _prepare(tmp_path, name, text):
     docs = [f"{text} {i}" for i in range(40)]
     src = tmp_path / f"{name}.jsonl"
