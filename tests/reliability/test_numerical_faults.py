@@ -98,14 +98,18 @@ def test_spike_detection_alone_changes_nothing(tmp_path, module_cache):
 
 def test_the_loss_window_is_restored_on_resume(tmp_path, module_cache):
     """The window travels in trainer.json, so a resumed run judges later steps exactly as an
-    uninterrupted one would."""
-    full = harness.train_tiny(tmp_path / "full", 14, *numerical.SPIKE)
+    uninterrupted one would: a 10x loss at step 10, two steps after the resume, is skipped by
+    both (an empty window, filling again, would let it through)."""
+    with numerical.poison("spike", {10}, []):
+        full = harness.train_tiny(tmp_path / "full", 14, *numerical.SPIKE)
     harness.train_tiny(tmp_path / "part", 8, *numerical.SPIKE)
-    resumed = harness.train_tiny(tmp_path / "part", 14, *numerical.SPIKE)
+    with numerical.poison("spike", {2}, []):  # the resumed process's second step: step 10
+        resumed = harness.train_tiny(tmp_path / "part", 14, *numerical.SPIKE)
     assert resumed.resumed_from.name == "step-8"
+    assert full.spike_total == resumed.spike_total == 1
     assert harness.losses(tmp_path / "part") == harness.losses(tmp_path / "full")
     assert torch.equal(resumed.spikes.losses_W, full.spikes.losses_W)
-    assert int(resumed.spikes.count) == int(full.spikes.count) == 14
+    assert int(resumed.spikes.count) == int(full.spikes.count) == 13
 
 
 def _spike_on_rank0(rank, world, run_dir, cache):
