@@ -52,22 +52,22 @@ def test_loss_decreases_on_tiny(tmp_cache, tmp_path):
 
 def test_fp8_training_on_tiny_tracks_bf16(tmp_cache, tmp_path):
     """FP8 projections, expert GEMMs and LM head (the emulation: the CPU has no FP8 tensor cores)
-    from the same seed on the same batches: the loss falls as bf16's does and ends within 2% of
-    it."""
-    fp32 = _cfg("train.steps=30")
-    fp8 = fp32.with_overrides(
+    against bf16 (parameters and GEMMs; fp32 masters, as on a GPU) from the same seed on the
+    same batches: the loss falls as bf16's does and ends within 2% of it."""
+    bf16 = _cfg("train.steps=20", "precision.param_dtype=bf16")
+    fp8 = bf16.with_overrides(
         [
             "precision.linear=fp8_rowwise",
             "precision.experts=fp8_rowwise",
             "precision.lm_head=fp8_rowwise",
         ]
     )
-    Trainer(fp32, tmp_path / "fp32", progress=False).train()
+    Trainer(bf16, tmp_path / "bf16", progress=False).train()
     Trainer(fp8, tmp_path / "fp8", progress=False).train()
-    a, b = _train_losses(tmp_path / "fp8"), _train_losses(tmp_path / "fp32")
-    assert a[30] < a[2] - 1.0, a
+    a, b = _train_losses(tmp_path / "fp8"), _train_losses(tmp_path / "bf16")
+    assert a[20] < a[2] - 1.0, a
     assert a[2] != b[2]  # the FP8 rounding is there
-    assert abs(a[30] - b[30]) < 0.02 * b[30], (a[30], b[30])
+    assert abs(a[20] - b[20]) < 0.02 * b[20], (a[20], b[20])
 
 
 def test_resume_is_bitwise(tmp_cache, tmp_path, monkeypatch):
