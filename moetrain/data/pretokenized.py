@@ -245,15 +245,8 @@ def prepare_pretokenized(
         tokens = _map(path, token_dtype, offset, num_tokens)
         file_eos, sha = _scan(path, tokens, vocab_size, eos_id)
         num_eos += file_eos
-        files.append(
-            {
-                "path": str(path),
-                "offset": offset,
-                "num_tokens": num_tokens,
-                "sha256": sha,
-                "mtime_ns": mtime_ns,
-            }
-        )
+        entry = {"path": str(path), "offset": offset, "num_tokens": num_tokens, "sha256": sha}
+        files.append({**entry, "mtime_ns": mtime_ns})
         parts.append(tokens)
     stream = ShardedTokens(parts)
     val_start = _val_start(stream, val_fraction, eos_id)
