@@ -275,7 +275,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from moetrain.data import prepare
-    from moetrain.data.documents import load_named_dataset
+    from moetrain.data.inputs import load_named_dataset
     from moetrain.data.tokens import check_not_prepared
 
     if args.pretokenized:
@@ -301,13 +301,25 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         text_field=args.text_field,
         workers=args.workers,
+        split_text=args.split_text,
+        on_bad_record=args.on_bad_record,
+        replace_bad_bytes=args.replace_bad_bytes,
     )
     print(f"wrote {out}")
     return 0
 
 
-# prepare's options that only text inputs take
-_TEXT_ONLY = ("text_field", "workers", "hf_dataset", "hf_config", "hf_split")
+# prepare's options that only text inputs take, with their defaults
+_TEXT_ONLY = {
+    "text_field": "text",
+    "workers": None,
+    "hf_dataset": None,
+    "hf_config": None,
+    "hf_split": None,
+    "split_text": "file",
+    "on_bad_record": "error",
+    "replace_bad_bytes": False,
+}
 
 
 def _prepare_pretokenized(args: argparse.Namespace) -> int:
@@ -322,9 +334,7 @@ def _prepare_pretokenized(args: argparse.Namespace) -> int:
     missing = ["--" + n.replace("_", "-") for n in needed if getattr(args, n) is None]
     if missing:
         raise ValueError(f"prepare --pretokenized needs {', '.join(missing)}")
-    given = [
-        f"--{f.replace('_', '-')}" for f in _TEXT_ONLY if getattr(args, f) not in (None, "text")
-    ]
+    given = [f"--{f.replace('_', '-')}" for f, v in _TEXT_ONLY.items() if getattr(args, f) != v]
     if given:
         raise ValueError(f"{', '.join(given)} does not apply to --pretokenized")
     out = prepare_pretokenized(
@@ -414,8 +424,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "files",
         nargs="*",
-        help="files, directories or glob patterns: .txt (one document each), .jsonl/.json "
-        "(optionally .gz/.zst), .parquet, or a Hugging Face dataset saved with save_to_disk",
+        help="files, directories or glob patterns: .txt (one document each, or see "
+        "--split-text), .jsonl/.json (optionally .gz/.zst), .parquet, or a Hugging Face dataset "
+        "saved with save_to_disk",
+    )
+    p.add_argument(
+        "--split-text",
+        choices=["file", "paragraph", "line"],
+        default="file",
+        help="how a .txt file is cut into documents: the whole file (default; a single document "
+        "is split into train and val by tokens), each paragraph (text between blank lines), or "
+        "each line",
+    )
+    p.add_argument(
+        "--on-bad-record",
+        choices=["error", "skip"],
+        default="error",
+        help="a malformed record (bad JSON, no string text field, non-UTF-8 text): stop with an "
+        "error naming its file and line (default), or skip it (counted, the first few named; "
+        "meta.json records the count)",
+    )
+    p.add_argument(
+        "--replace-bad-bytes",
+        action="store_true",
+        help="read bytes that are not UTF-8 as U+FFFD instead of treating the record as bad",
     )
     p.add_argument(
         "--text-field", default="text", help="JSON field or column holding the text (default text)"
@@ -474,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # training stops on its own at Ctrl-C; this is everything else
+        print(f"moetrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
