@@ -157,6 +157,24 @@ def test_detector_silent_on_noise():
     assert _feed(TokenGamingDetector(), 0, lb, mm) == []
 
 
+def test_detector_silent_on_the_scatter_of_short_log_intervals():
+    # stationary readings that scatter as a short run's do (few tokens per log interval): the
+    # thresholds alone (2% and 10%) fired at ~40% of the log steps of 8 layers
+    rng = np.random.default_rng(0)
+    detector, steps, fired = TokenGamingDetector(), 300, set()
+    for step in range(steps):
+        for layer in range(8):
+            lb = 1.03 + 0.02 * rng.standard_normal()
+            mm = 1.5 * (1 + 0.15 * rng.standard_normal())
+            if detector.update(step, layer, lb, mm) is not None:
+                fired.add(step)
+    assert len(fired) <= 0.02 * steps
+    # a real trend under a little scatter is still reported
+    lb = np.linspace(1.10, 1.00, 10) + 0.005 * rng.standard_normal(10)
+    mm = np.linspace(1.5, 3.0, 10) * (1 + 0.03 * rng.standard_normal(10))
+    assert _feed(TokenGamingDetector(), 0, lb, mm)
+
+
 def test_detector_tracks_layers_separately():
     detector = TokenGamingDetector(window=4)
     healthy_lb, healthy_mm = np.linspace(1.2, 1.0, 8), np.linspace(2.0, 1.2, 8)
