@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from pathlib import Path
 
 from moetrain.bench.cli import add_bench_parser
 from moetrain.config import RunConfig
@@ -30,12 +30,17 @@ def version() -> str:
 
 
 def load_config(args: argparse.Namespace) -> RunConfig:
-    """--preset (default: demo) and/or CONFIG.yaml layered on it (or on the preset it names),
-    then --set overrides; an unset model.vocab_size (and, with document masking, data.eos_id)
-    is taken from the tokenizer."""
+    """--preset (default: demo) and/or CONFIG.yaml layered on it (or on its base YAML or
+    preset), then --set overrides; an unset model.vocab_size (and, with document masking,
+    data.eos_id) is taken from the tokenizer."""
     from moetrain.data.loader import resolve_eos_id, resolve_vocab_size
 
-    config = layered_config(args.preset, getattr(args, "config", None))
+    path = getattr(args, "config", None)
+    for item in args.set or []:
+        if "=" not in item:  # `--set train.steps 2` leaves "2" as the config file
+            value = path if path is not None and not Path(path).is_file() else "VALUE"
+            raise ValueError(f"--set {item} needs a value: write --set {item}={value}")
+    config = layered_config(args.preset, path)
     return resolve_eos_id(resolve_vocab_size(config.with_overrides(args.set or [])))
 
 
@@ -84,8 +89,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         from moetrain.dry_run import run_dry_run
 
         return run_dry_run(config, args)
-    if args.resume:
-        config = _resume_config(args, config)
+    if args.resume:  # the run's own config.yaml, with the --set changes it allows
+        from moetrain.config_resume import resume_run_config
+
+        args.run_dir = args.run_dir or str(Path("runs") / config.name)
+        given = " and ".join(filter(None, [args.preset and f"--preset {args.preset}", args.config]))
+        config = resume_run_config(Path(args.run_dir), config, args.set or [], given)
     from moetrain.train.fits import check_fits
 
     check_fits(config, args.device, force=args.force)
@@ -97,6 +106,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.quiet,
         overwrite=args.overwrite,
+        allow_lr_increase=args.allow_lr_increase,
     )
     if trainer.is_main and trainer.step >= trainer.config.train.steps:
         print(
@@ -116,33 +126,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.is_main:
         print(json.dumps(summary))
     return 0
-
-
-def _resume_config(args: argparse.Namespace, requested: RunConfig) -> RunConfig:
-    """--resume trains with the run's own config.yaml plus the --set changes it allows
-    (moetrain/config_resume.py), printed; a --preset or YAML given again must agree with it.
-    Without a config.yaml (a first start under a requeue-safe --resume) the requested config."""
-    from pathlib import Path
-
-    from moetrain.config_resume import resume_config
-
-    run_dir = Path(args.run_dir or Path("runs") / requested.name)
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        return requested
-    given = [f"--preset {args.preset}"] if args.preset else []
-    given += [args.config] if getattr(args, "config", None) else []
-    config, changes = resume_config(
-        RunConfig.load_yaml(saved),
-        args.set or [],
-        str(saved),
-        requested=requested if given else None,
-        requested_from=" and ".join(given),
-    )
-    if changes and os.environ.get("RANK", "0") == "0":  # once, not once per rank
-        print(f"--resume: changes to {saved}: " + "; ".join(changes), file=sys.stderr)
-    args.run_dir = str(run_dir)
-    return config
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -262,18 +245,19 @@ def cmd_config(args: argparse.Namespace) -> int:
     """Print a complete config YAML: a starting point to edit, or what a YAML resolves to."""
     import yaml
 
+    from moetrain.presets import yaml_chain
+
     config = load_config(args)
     base = args.preset or (None if args.config else DEFAULT_PRESET)
-    source = f"preset {base}" if base else args.config
-    print(f"# moetrain config of {source}; edit it and run: moetrain train FILE.yaml")
+    source = " on ".join(str(p) for p, _ in yaml_chain(args.config)) if args.config else ""
+    source = " on ".join(filter(None, [source, base and f"preset {base}"]))
+    print(f"# moetrain config of {source}, resolved; edit it and run: moetrain train FILE.yaml")
     data = config.to_dict()
     print(yaml.safe_dump({"preset": base, **data} if base else data, sort_keys=False), end="")
     return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from moetrain.data import prepare
     from moetrain.data.inputs import load_named_dataset
     from moetrain.data.tokens import check_not_prepared
@@ -368,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from the newest complete checkpoint"
     )
     p.add_argument("--init-from", help="start from the weights of this checkpoint (e.g. imported)")
+    p.add_argument(
+        "--allow-lr-increase",
+        action="store_true",
+        help="--resume: go on when a changed schedule (train.steps, lr, ...) raises the LR above "
+        "its last value (a re-warm); without it that is an error saying what the LR would do",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",

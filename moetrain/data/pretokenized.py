@@ -240,6 +240,7 @@ def prepare_pretokenized(
         "num_tokens": {"train": val_start, "val": len(stream) - val_start},
         "num_documents": {"train": num_eos - val_eos, "val": val_eos},
         "files": files,
+        "val_fraction": val_fraction,
     }
     _check_destination(out)
     return install_token_dir(out, lambda tmp: meta, tok)
