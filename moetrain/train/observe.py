@@ -14,6 +14,7 @@ Contents: `routing_summary` (one layer's load statistics), `summarize_moe_stats`
 metrics.jsonl holds one JSON object per line, appended by the trainer:
     {"kind": "train", "step", "loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
      "tflops", "mfu", "peak_mem_gib", "skipped_steps", "moe": [{"layer": int, **routing_summary}],
+     "epoch": completed passes over the training data (a mix: "epoch_per_source": {source: int}),
      "tokens_per_source": {source: int} (a mix of data.sources only)}
     {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix only)}
 """
@@ -259,6 +260,7 @@ _TB_TAGS = {
     "tflops": "perf/tflops",
     "mfu": "perf/mfu",
     "peak_mem_gib": "perf/peak_mem_gib",
+    "epoch": "data/epoch",
 }
 _TB_MOE_KEYS = ("max_mean", "cv", "zero_frac", "entropy", "lb_loss", "drop_frac")
 
@@ -269,8 +271,8 @@ class TensorBoardWriter:
     Needs the `tensorboard` package; without it, it logs one info message and every `write` is a
     no-op (`enabled` is False). Missing or None values are skipped.
     Tags: loss/train, loss/val, aux/*, optim/*, perf/*, moe/{layer}/{max_mean, cv,
-    zero_frac, entropy, lb_loss, drop_frac}, and for a mix data/tokens/* and loss/val/*
-    (`scalar_tags`).
+    zero_frac, entropy, lb_loss, drop_frac}, data/epoch, and for a mix data/tokens/*,
+    data/epoch/* and loss/val/* (`scalar_tags`).
     """
 
     def __init__(self, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
@@ -302,13 +304,16 @@ class TensorBoardWriter:
 
 def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
     """The scalars of a train/eval record under their TensorBoard (and W&B) tags; missing and
-    None values are left out. A mix adds data/tokens/{source} and loss/val/{source}."""
+    None values are left out. A mix adds data/tokens/{source}, data/epoch/{source} and
+    loss/val/{source}."""
     tags: dict[str, Any] = {tag: record.get(key) for key, tag in _TB_TAGS.items()}
     for layer in record.get("moe") or ():
         for key in _TB_MOE_KEYS:
             tags[f"moe/{layer['layer']}/{key}"] = layer.get(key)
     for source, tokens in (record.get("tokens_per_source") or {}).items():
         tags[f"data/tokens/{source}"] = tokens
+    for source, epoch in (record.get("epoch_per_source") or {}).items():
+        tags[f"data/epoch/{source}"] = epoch
     for source, loss in (record.get("val_loss_per_source") or {}).items():
         tags[f"loss/val/{source}"] = loss
     return {

@@ -279,6 +279,12 @@ def test_scalar_tags_name_each_source_of_a_mix():
     from moetrain.train.observe import scalar_tags
 
     train = {"step": 4, "loss": 2.0, "mfu": None, "tokens_per_source": {"web": 70, "code": 30}}
-    assert scalar_tags(train) == {"loss/train": 2.0, "data/tokens/web": 70, "data/tokens/code": 30}
+    train["epoch_per_source"] = {"web": 1, "code": 0}
+    assert scalar_tags(train) == {
+        "loss/train": 2.0,
+        **{"data/tokens/web": 70, "data/tokens/code": 30},
+        **{"data/epoch/web": 1, "data/epoch/code": 0},
+    }
+    assert scalar_tags({"step": 4, "epoch": 2}) == {"data/epoch": 2}
     evals = {"step": 4, "val_loss": 2.5, "val_loss_per_source": {"web": 2.0, "code": 3.0}}
     assert scalar_tags(evals) == {"loss/val": 2.5, "loss/val/web": 2.0, "loss/val/code": 3.0}
