@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from pathlib import Path
 
 from moetrain.bench.cli import add_bench_parser
 from moetrain.config import RunConfig
 from moetrain.convert.cli import add_convert_parsers
+from moetrain.data.cli import add_prepare_parser
 from moetrain.plan import add_plan_parser
 from moetrain.plot import add_plot_parser
 from moetrain.presets import PRESETS
@@ -30,12 +31,17 @@ def version() -> str:
 
 
 def load_config(args: argparse.Namespace) -> RunConfig:
-    """--preset (default: demo) and/or CONFIG.yaml layered on it (or on the preset it names),
-    then --set overrides; an unset model.vocab_size (and, with document masking, data.eos_id)
-    is taken from the tokenizer."""
+    """--preset (default: demo) and/or CONFIG.yaml layered on it (or on its base YAML or
+    preset), then --set overrides; an unset model.vocab_size (and, with document masking,
+    data.eos_id) is taken from the tokenizer."""
     from moetrain.data.loader import resolve_eos_id, resolve_vocab_size
 
-    config = layered_config(args.preset, getattr(args, "config", None))
+    path = getattr(args, "config", None)
+    for item in args.set or []:
+        if "=" not in item:  # `--set train.steps 2` leaves "2" as the config file
+            value = path if path is not None and not Path(path).is_file() else "VALUE"
+            raise ValueError(f"--set {item} needs a value: write --set {item}={value}")
+    config = layered_config(args.preset, path)
     return resolve_eos_id(resolve_vocab_size(config.with_overrides(args.set or [])))
 
 
@@ -84,8 +90,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         from moetrain.dry_run import run_dry_run
 
         return run_dry_run(config, args)
-    if args.resume:
-        config = _resume_config(args, config)
+    if args.resume:  # the run's own config.yaml, with the --set changes it allows
+        from moetrain.config_resume import resume_run_config
+
+        args.run_dir = args.run_dir or str(Path("runs") / config.name)
+        given = " and ".join(filter(None, [args.preset and f"--preset {args.preset}", args.config]))
+        config = resume_run_config(Path(args.run_dir), config, args.set or [], given)
     from moetrain.train.fits import check_fits
 
     check_fits(config, args.device, force=args.force)
@@ -97,6 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.quiet,
         overwrite=args.overwrite,
+        allow_lr_increase=args.allow_lr_increase,
     )
     if trainer.is_main and trainer.step >= trainer.config.train.steps:
         print(
@@ -116,33 +127,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.is_main:
         print(json.dumps(summary))
     return 0
-
-
-def _resume_config(args: argparse.Namespace, requested: RunConfig) -> RunConfig:
-    """--resume trains with the run's own config.yaml plus the --set changes it allows
-    (moetrain/config_resume.py), printed; a --preset or YAML given again must agree with it.
-    Without a config.yaml (a first start under a requeue-safe --resume) the requested config."""
-    from pathlib import Path
-
-    from moetrain.config_resume import resume_config
-
-    run_dir = Path(args.run_dir or Path("runs") / requested.name)
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        return requested
-    given = [f"--preset {args.preset}"] if args.preset else []
-    given += [args.config] if getattr(args, "config", None) else []
-    config, changes = resume_config(
-        RunConfig.load_yaml(saved),
-        args.set or [],
-        str(saved),
-        requested=requested if given else None,
-        requested_from=" and ".join(given),
-    )
-    if changes and os.environ.get("RANK", "0") == "0":  # once, not once per rank
-        print(f"--resume: changes to {saved}: " + "; ".join(changes), file=sys.stderr)
-    args.run_dir = str(run_dir)
-    return config
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -262,82 +246,15 @@ def cmd_config(args: argparse.Namespace) -> int:
     """Print a complete config YAML: a starting point to edit, or what a YAML resolves to."""
     import yaml
 
+    from moetrain.presets import yaml_chain
+
     config = load_config(args)
     base = args.preset or (None if args.config else DEFAULT_PRESET)
-    source = f"preset {base}" if base else args.config
-    print(f"# moetrain config of {source}; edit it and run: moetrain train FILE.yaml")
+    source = " on ".join(str(p) for p, _ in yaml_chain(args.config)) if args.config else ""
+    source = " on ".join(filter(None, [source, base and f"preset {base}"]))
+    print(f"# moetrain config of {source}, resolved; edit it and run: moetrain train FILE.yaml")
     data = config.to_dict()
     print(yaml.safe_dump({"preset": base, **data} if base else data, sort_keys=False), end="")
-    return 0
-
-
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from moetrain.data import prepare
-    from moetrain.data.documents import load_named_dataset
-    from moetrain.data.tokens import check_not_prepared
-
-    if args.pretokenized:
-        return _prepare_pretokenized(args)
-    if not args.hf_dataset:
-        unused = [f for f in ("hf_config", "hf_split") if getattr(args, f) is not None]
-        if unused:
-            raise ValueError(f"--{unused[0].replace('_', '-')} needs --hf-dataset NAME")
-    if not args.files and not args.hf_dataset:
-        raise ValueError(
-            "prepare needs input files, --hf-dataset NAME (or --pretokenized TOKEN_FILES)"
-        )
-    inputs = list(args.files)
-    if args.hf_dataset:
-        check_not_prepared(Path(args.out), args.overwrite)  # before a download, not after
-        inputs.append(load_named_dataset(args.hf_dataset, args.hf_config, args.hf_split or "train"))
-    out = prepare(
-        inputs,
-        args.out,
-        tokenizer=args.tokenizer or "byte",
-        val_fraction=args.val_fraction,
-        progress=not args.quiet,
-        overwrite=args.overwrite,
-        text_field=args.text_field,
-        workers=args.workers,
-    )
-    print(f"wrote {out}")
-    return 0
-
-
-# prepare's options that only text inputs take
-_TEXT_ONLY = ("text_field", "workers", "hf_dataset", "hf_config", "hf_split")
-
-
-def _prepare_pretokenized(args: argparse.Namespace) -> int:
-    from moetrain.data.pretokenized import prepare_pretokenized
-
-    if args.files:
-        raise ValueError(
-            f"prepare: give text inputs ({' '.join(args.files)}) or --pretokenized token files, "
-            "not both"
-        )
-    needed = ("dtype", "eos_id", "vocab_size")
-    missing = ["--" + n.replace("_", "-") for n in needed if getattr(args, n) is None]
-    if missing:
-        raise ValueError(f"prepare --pretokenized needs {', '.join(missing)}")
-    given = [
-        f"--{f.replace('_', '-')}" for f in _TEXT_ONLY if getattr(args, f) not in (None, "text")
-    ]
-    if given:
-        raise ValueError(f"{', '.join(given)} does not apply to --pretokenized")
-    out = prepare_pretokenized(
-        args.pretokenized,
-        args.out,
-        dtype=args.dtype,
-        eos_id=args.eos_id,
-        vocab_size=args.vocab_size,
-        val_fraction=args.val_fraction,
-        overwrite=args.overwrite,
-        tokenizer=args.tokenizer,
-    )
-    print(f"wrote {out} (an index of the token files; they are not copied)")
     return 0
 
 
@@ -358,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from the newest complete checkpoint"
     )
     p.add_argument("--init-from", help="start from the weights of this checkpoint (e.g. imported)")
+    p.add_argument(
+        "--allow-lr-increase",
+        action="store_true",
+        help="--resume: go on when a changed schedule (train.steps, lr, ...) raises the LR above "
+        "its last value (a re-warm); without it that is an error saying what the LR would do",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -408,58 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser(
-        "prepare", help="tokenize text, JSON lines, Parquet or HF datasets into a token directory"
-    )
-    p.add_argument(
-        "files",
-        nargs="*",
-        help="files, directories or glob patterns: .txt (one document each), .jsonl/.json "
-        "(optionally .gz/.zst), .parquet, or a Hugging Face dataset saved with save_to_disk",
-    )
-    p.add_argument(
-        "--text-field", default="text", help="JSON field or column holding the text (default text)"
-    )
-    p.add_argument(
-        "--hf-dataset",
-        metavar="NAME",
-        help="a Hugging Face dataset by name, through datasets.load_dataset (a Hub name, or a "
-        "local directory of data files; needs the data extra); read after the files",
-    )
-    p.add_argument("--hf-config", help="--hf-dataset: its configuration (subset), if it has some")
-    p.add_argument("--hf-split", help="--hf-dataset: the split to read (default train)")
-    p.add_argument(
-        "--workers",
-        type=int,
-        help="tokenizing processes (default: one per core, at most one per 8 MiB of input; "
-        "1 = in this process). An interrupted prepare leaves OUT.partial; the same command "
-        "resumes from it",
-    )
-    p.add_argument(
-        "--pretokenized",
-        nargs="+",
-        metavar="TOKEN_FILES",
-        help="index existing token files (.npy or headerless .npy/.bin memory maps; files, "
-        "directories or globs) without copying them; needs --dtype, --eos-id, --vocab-size",
-    )
-    p.add_argument("--dtype", choices=["uint16", "uint32"], help="--pretokenized: token type")
-    p.add_argument("--eos-id", type=int, help="--pretokenized: the id ending each document")
-    p.add_argument("--vocab-size", type=int, help="--pretokenized: the tokenizer's vocabulary")
-    p.add_argument("--out", required=True)
-    p.add_argument(
-        "--tokenizer",
-        help="byte (the default), or a Hugging Face tokenizer.json; with --pretokenized, the "
-        "tokenizer the files were made with (optional: recorded so that generate can decode)",
-    )
-    p.add_argument("--val-fraction", type=float, default=0.05)
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an existing token directory at --out (runs trained on it cannot resume)",
-    )
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_prepare)
-
+    add_prepare_parser(sub)
     add_plan_parser(sub)
     add_convert_parsers(sub)
     add_plot_parser(sub)
@@ -474,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # training stops on its own at Ctrl-C; this is everything else
+        print(f"moetrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -9,12 +9,19 @@ the run's length and schedule, the cadences of logging, evaluation and checkpoin
 hyperparameters, the parallel layout (checkpoints hold global tensors), kernels and precision of
 the expert GEMMs. `data.path` may change too (a token directory that moved): the tokens' content
 hash, recorded in every checkpoint, catches different data under any path; so may the paths of
-`data.sources` (a mix), as long as their number, order and weights stay. This module does not
-import torch.
+`data.sources` (a mix), as long as their number, order and weights stay, `data.val_fraction`
+(the hash catches another split) and `data.tokenizer` when it names a file of the same content.
+`moe.bias_update_rate` may change but not to or from 0: the router's learned expert bias exists
+only while it is positive. `resume_run_config` builds the config a resumed run trains with from
+its run directory; the trainer checks it against the checkpoint's (`check_resumable`), prints
+the changes and what the learning rate does next (`optim.schedule.lr_change`). This module does
+not import torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 from moetrain.config import RunConfig
@@ -36,7 +43,7 @@ FROZEN: dict[str, tuple[str, ...]] = {
     "data": ("*",),
     "precision": ("param_dtype", "master_weights"),
 }
-ALLOWED = {"model.attention_backend", "data.path"}
+ALLOWED = {"model.attention_backend", "data.path", "data.val_fraction"}
 
 
 def is_frozen(key: str) -> bool:
@@ -68,6 +75,15 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
     for key, old, value in changes:
         if key == "data.sources" and _weights(old) == _weights(value):
             continue  # moved directories: the content hash still catches other data
+        if key == "data.tokenizer" and _same_file(old, value):
+            continue  # the same tokenizer.json under another (e.g. now absolute) path
+        if key == "moe.bias_update_rate" and (old > 0) != (value > 0):
+            raise ValueError(
+                f"moe.bias_update_rate cannot change between 0 and > 0 on --resume ({old!r} in "
+                f"{source}, {value!r} now): the router's learned expert bias exists only while "
+                "the rate is > 0, so it would be dropped (or start again from zero); keep a "
+                "positive rate (a small one all but freezes the bias), or start a new run"
+            )
         if is_frozen(key):
             raise ValueError(
                 f"{key} cannot change on --resume ({old!r} in {source}, {value!r} now): the "
@@ -79,6 +95,33 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
 
 def _weights(sources: list[dict[str, Any]]) -> list[float]:
     return [s["weight"] for s in sources]
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two tokenizer specs name tokenizer.json files of the same content."""
+    files = [Path(x) / "tokenizer.json" if Path(x).is_dir() else Path(x) for x in (a, b)]
+    if "byte" in (a, b) or not all(f.is_file() for f in files):
+        return False
+    return len({hashlib.sha256(f.read_bytes()).digest() for f in files}) == 1
+
+
+def resume_run_config(
+    run_dir: Path, requested: RunConfig, overrides: list[str], requested_from: str = ""
+) -> RunConfig:
+    """The config `--resume` trains with: the run's own config.yaml in `run_dir` with the --set
+    `overrides` (`resume_config`); a --preset or YAML given again (`requested_from` names it,
+    `requested` is what it builds) must agree with it. Without a config.yaml (a first start
+    under a requeue-safe --resume) the requested config."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return requested
+    return resume_config(
+        RunConfig.load_yaml(saved),
+        overrides,
+        str(saved),
+        requested=requested if requested_from else None,
+        requested_from=requested_from,
+    )[0]
 
 
 def resume_config(

@@ -271,12 +271,15 @@ class DataSource:
 class DataConfig:
     """Where tokens come from. path None and no sources: the embedded corpus."""
 
-    path: str | None = None  # a directory written by `moetrain prepare`
+    # a directory written by `moetrain prepare`; relative paths are made absolute at start
+    path: str | None = None
     # a weighted mix of token directories instead of `path`, e.g. in YAML
     # [{path: data/a, weight: 0.7}, {path: data/b, weight: 0.3}]; weights are normalized
     sources: tuple[DataSource, ...] = ()
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
-    val_fraction: float = 0.05
+    # the embedded corpus's held-out share (None: 0.05); a token directory's split was made by
+    # `moetrain prepare --val-fraction`, so with path or sources it must be None or that value
+    val_fraction: float | None = None
     random_tokens: bool = False  # uniform random token ids (benchmarks only)
     # attention stays within the documents of a packed sequence (EOS-separated; nn/documents.py)
     document_masking: bool = False
@@ -287,7 +290,7 @@ class DataConfig:
     eos_id: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.val_fraction < 1.0:
+        if self.val_fraction is not None and not 0.0 < self.val_fraction < 1.0:
             fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
         if self.reset_positions and not self.document_masking:
             fail("data.reset_positions", True, "needs data.document_masking=true")

@@ -223,20 +223,56 @@ def get_preset(name: str) -> RunConfig:
 
 
 def load_config(preset: str | None = None, path: str | Path | None = None) -> RunConfig:
-    """The config of a --preset, a YAML file, or both. A YAML may name its base preset with a
-    top-level `preset:` key (or get it from `preset`); its sections then set only the fields
-    they list, over the preset's. A YAML without a base layers over RunConfig's defaults (the
-    0.94B `small` shape with a vocabulary taken from the tokenizer). A YAML naming another
+    """The config of a --preset, a YAML file, or both. A YAML lists only the fields it changes,
+    over its base: another YAML named by a top-level `base:` key (a path relative to the file;
+    chains allowed, a cycle is an error), or a preset named by `preset:` (or given as `preset`)
+    at the root of the chain. The chain's mappings merge field by field, the file given last,
+    before the whole is validated once. Without a base a YAML layers over RunConfig's defaults
+    (the 0.94B `small` shape with a vocabulary taken from the tokenizer). A root naming another
     preset than `preset` is an error naming both."""
     if path is None:
         return get_preset(preset or "demo")
-    data = read_yaml(path)
-    named = data.pop("preset", None) if isinstance(data, dict) else None
+    chain = yaml_chain(path)
+    root, root_data = chain[-1]
+    named = root_data.pop("preset", None)
     if named is not None and not isinstance(named, str):
-        raise ValueError(f"preset ({named!r}) in {path} must be a preset name")
+        raise ValueError(f"preset ({named!r}) in {root} must be a preset name")
     if named is not None and preset is not None and named != preset:
         raise ValueError(
-            f"--preset {preset} and the `preset: {named}` of {path} disagree; drop one of them"
+            f"--preset {preset} and the `preset: {named}` of {root} disagree; drop one of them"
         )
+    merged: dict = {}
+    for _, data in reversed(chain):
+        for key, values in data.items():
+            if isinstance(values, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **values}
+            else:
+                merged[key] = values
     base = named or preset
-    return layer(get_preset(base) if base else RunConfig(), data)
+    return layer(get_preset(base) if base else RunConfig(), merged)
+
+
+def yaml_chain(path: str | Path) -> list[tuple[Path, dict]]:
+    """(file, its mapping without `base:`) for a YAML and each base it names in turn, the file
+    itself first."""
+    chain: list[tuple[Path, dict]] = []
+    path = Path(path)
+    while True:
+        data = read_yaml(path)
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections")
+        chain.append((path, data))
+        base = data.pop("base", None)
+        if base is None:
+            return chain
+        if not isinstance(base, str) or "preset" in data:
+            raise ValueError(
+                f"base ({base!r}) in {path} must be the path of another YAML, and a file names "
+                "either a base YAML or a preset, not both"
+            )
+        path = path.parent / base
+        if not path.is_file():
+            raise ValueError(f"the base {base} of {chain[-1][0]} does not exist ({path})")
+        if path.resolve() in [p.resolve() for p, _ in chain]:
+            names = " -> ".join(str(p) for p, _ in chain)
+            raise ValueError(f"config files name each other as base in a cycle: {names} -> {path}")

@@ -62,3 +62,28 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(
     assert "more than the 0.0 GiB available RAM" in capsys.readouterr().err
     assert main([*run, *fast, "--force"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2
+
+
+def test_a_yaml_builds_on_another_yaml_and_config_prints_the_result(tmp_path, capsys):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "a.yaml").write_text("preset: tiny\ntrain:\n  steps: 7\n  lr: 1.0e-3\n")
+    (tmp_path / "b.yaml").write_text("base: base/a.yaml\ntrain:\n  steps: 9\n")
+    (tmp_path / "c.yaml").write_text("base: b.yaml\nmoe:\n  top_k: 1\n")
+    expected = tiny().with_overrides(["train.steps=9", "train.lr=1e-3", "moe.top_k=1"])
+    assert load_config(path=tmp_path / "c.yaml") == expected
+    assert main(["config", str(tmp_path / "c.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert f"config of {tmp_path / 'c.yaml'} on {tmp_path / 'b.yaml'} on " in printed
+    assert RunConfig.from_dict(yaml.safe_load(printed)) == expected
+    (tmp_path / "base" / "a.yaml").write_text("base: ../c.yaml\n")
+    assert main(["config", str(tmp_path / "c.yaml")]) == 2
+    assert "name each other as base in a cycle" in capsys.readouterr().err
+
+
+def test_a_set_without_a_value_and_a_file_as_data_path_say_what_to_do(tmp_path, capsys):
+    assert main(["inspect", "--preset", "tiny", "--set", "train.steps", "2"]) == 2
+    assert "--set train.steps needs a value: write --set train.steps=2" in capsys.readouterr().err
+    (tmp_path / "corpus.jsonl").write_text('{"text": "a"}\n')
+    bad = ["inspect", "--preset", "tiny", "--set", "model.vocab_size=null"]
+    assert main([*bad, "--set", f"data.path={tmp_path / 'corpus.jsonl'}"]) == 2
+    assert "is a file, not a token directory; make one of it with" in capsys.readouterr().err

@@ -20,6 +20,7 @@ _EXPORTS = {
     "check_same_data": "loader",
     "data_fingerprint": "loader",
     "open_data": "loader",
+    "resolve_data_paths": "loader",
     "resolve_eos_id": "loader",
     "resolve_vocab_size": "loader",
     "MixedLoader": "mix",

@@ -34,6 +34,8 @@ from moetrain.data.corpus import embedded_corpus
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from moetrain.data.tokens import fingerprint, load_dir_tokenizer, load_split, read_meta
 
+EMBEDDED_VAL_FRACTION = 0.05  # data.val_fraction None: the embedded corpus's held-out share
+
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
@@ -93,6 +95,10 @@ class SequenceLoader:
     @property
     def batches_per_epoch(self) -> int:
         return self.num_windows // (self.world_size * self.batch_size)
+
+    def passes(self) -> list[int]:
+        """Completed passes over the tokens (epochs), as a list like a mix's (one per source)."""
+        return [self.epoch]
 
     def _permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
@@ -187,6 +193,10 @@ class RandomTokenLoader:
         )
         return _split_pair(batch_BS1)
 
+    def passes(self) -> list[int]:
+        """Random ids have no epochs."""
+        return []
+
     def state_dict(self) -> dict[str, int]:
         return {"batches": int(self.batches)}
 
@@ -214,20 +224,30 @@ def open_data(
         opened = [_open_dir(cfg, Path(s.path), vocab_size) for s in cfg.sources]
         return [o[0] for o in opened], [o[1] for o in opened], opened[0][2]
     if cfg.path is None:
-        data_dir = embedded_corpus(cfg.tokenizer, cfg.val_fraction)
-        return _open_dir(dataclasses.replace(cfg, tokenizer="byte"), data_dir, vocab_size)
+        data_dir = embedded_corpus(cfg.tokenizer, cfg.val_fraction or EMBEDDED_VAL_FRACTION)
+        built = dataclasses.replace(cfg, tokenizer="byte", val_fraction=None)  # built with both
+        return _open_dir(built, data_dir, vocab_size)
     return _open_dir(cfg, Path(cfg.path), vocab_size)
 
 
 def _open_dir(
     cfg: DataConfig, data_dir: Path, vocab_size: int
 ) -> tuple[np.ndarray, np.ndarray, ByteTokenizer | HFTokenizer | None]:
-    recorded = read_meta(data_dir)["tokenizer"]
-    if cfg.tokenizer != "byte" and not _same_tokenizer(cfg.tokenizer, recorded):
+    meta = read_meta(data_dir)
+    recorded = meta["tokenizer"]
+    if cfg.tokenizer != "byte" and not _same_tokenizer(cfg.tokenizer, data_dir, recorded):
         raise ValueError(
             f"data.tokenizer ({cfg.tokenizer!r}) differs from the tokenizer {data_dir} was "
             f"prepared with ({recorded!r}); leave data.tokenizer at its default to use the "
             "directory's tokenizer, or prepare the data again with this one"
+        )
+    made = meta.get("val_fraction", EMBEDDED_VAL_FRACTION)  # older directories record none
+    if cfg.val_fraction is not None and cfg.val_fraction != made:
+        raise ValueError(
+            f"data.val_fraction ({cfg.val_fraction}) is not the split of {data_dir}, which "
+            f"`moetrain prepare` made (val_fraction {meta.get('val_fraction', 'not recorded')}); "
+            "leave data.val_fraction null to use it, or prepare the data again with "
+            "--val-fraction"
         )
     tokenizer = load_dir_tokenizer(data_dir)
     train = load_split(data_dir, "train", vocab_size)
@@ -318,7 +338,9 @@ def data_fingerprint(cfg: DataConfig) -> str | None:
         parts = [fingerprint(s.path) for s in cfg.sources]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     if cfg.path is None:
-        return fingerprint(embedded_corpus(cfg.tokenizer, cfg.val_fraction))
+        return fingerprint(
+            embedded_corpus(cfg.tokenizer, cfg.val_fraction or EMBEDDED_VAL_FRACTION)
+        )
     return fingerprint(cfg.path)
 
 
@@ -343,10 +365,35 @@ def check_same_data(cfg: DataConfig, recorded: str | None, checkpoint: str | Pat
         )
 
 
-def _same_tokenizer(spec: str, recorded: str | None) -> bool:
+def _same_tokenizer(spec: str, data_dir: Path, recorded: str | None) -> bool:
+    """Whether the tokenizer `spec` names is the one `data_dir` was prepared with: by name, or
+    by the content of its tokenizer.json (the directory's copy of it, else the recorded file),
+    wherever either file lies."""
     if spec == recorded:
         return True
     if recorded in ("byte", None):  # None: a pre-tokenized corpus, which names no tokenizer
         return False
-    paths = [Path(s) / "tokenizer.json" if Path(s).is_dir() else Path(s) for s in (spec, recorded)]
-    return paths[0].resolve() == paths[1].resolve()
+    copy = data_dir / "tokenizer.json"
+    files = [_tokenizer_file(spec), copy if copy.is_file() else _tokenizer_file(recorded)]
+    if not all(f.is_file() for f in files):
+        return False
+    return len({hashlib.sha256(f.read_bytes()).digest() for f in files}) == 1
+
+
+def _tokenizer_file(spec: str) -> Path:
+    return Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
+
+
+def resolve_data_paths(config: RunConfig) -> RunConfig:
+    """`config` with data.path, the paths of data.sources and a data.tokenizer file made
+    absolute (against the working directory), so that the run's config.yaml and checkpoints
+    find the data from anywhere (`moetrain eval` from another directory, a moved job script)."""
+    d = config.data
+    absolute = lambda p: str(Path(p).expanduser().absolute())  # noqa: E731
+    data = dataclasses.replace(
+        d,
+        path=absolute(d.path) if d.path is not None else None,
+        sources=tuple(dataclasses.replace(s, path=absolute(s.path)) for s in d.sources),
+        tokenizer=absolute(d.tokenizer) if d.tokenizer != "byte" else d.tokenizer,
+    )
+    return dataclasses.replace(config, data=data)

@@ -73,6 +73,10 @@ class MixedLoader:
             e * n + w for e, n, w in zip(self.epochs, self.num_windows, self.windows, strict=True)
         ]
 
+    def passes(self) -> list[int]:
+        """Completed passes over each source's windows (its epochs)."""
+        return list(self.epochs)
+
     def tokens_per_source(self) -> list[int]:
         """Target tokens read from each source by all ranks together."""
         return [c * self.seq_len for c in self.counts()]

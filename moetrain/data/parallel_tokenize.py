@@ -8,9 +8,8 @@ worker. A finished unit is three files in the work directory (`work_dir_of(out)`
 written last and renamed into place, so a unit counts as done only when it is complete. A
 unit's name hashes its source's identity (the paths, sizes and modification times of its files)
 and its part; the directory records what else tokens depend on (the tokenizer's file, the text
-field). A re-run therefore keeps every finished unit whose input is unchanged and redoes the
-rest, whatever the number of workers; a work directory of another tokenizer or text field is
-emptied and started over (its units could never be used, and it holds nothing the user made).
+field, how text files split, whether bad bytes are replaced). A re-run therefore keeps every finished unit whose input is unchanged and redoes the
+rest, whatever the number of workers; a work directory of other settings is emptied and started over (its units could never be used, and it holds nothing the user made).
 `WorkDir.documents` yields a unit's documents back, so the units in plan order give exactly the
 documents, order and tokens of one sequential read: the token directory does not depend on the
 number of workers, the unit size, or where a run was interrupted. One prepare at a time holds a
@@ -38,14 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from moetrain.data.documents import (
-    Part,
-    Source,
+from moetrain.data.input_readers import (
+    BadRecords,
+    ReadOptions,
     no_documents_error,
     read_documents,
-    source_identity,
-    split_source,
 )
+from moetrain.data.inputs import Part, Source, source_identity, split_source, suffix_of
 from moetrain.data.progress import TokenizeProgress
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from moetrain.data.tokens import token_dtype
@@ -81,8 +79,10 @@ def work_dir_of(out_dir: Path) -> Path:
     return out_dir.with_name(f"{out_dir.name}.partial")
 
 
-def work_settings(tokenizer: ByteTokenizer | HFTokenizer, text_field: str) -> dict[str, Any]:
-    """What a unit's tokens depend on besides its input (its file name covers that)."""
+def work_settings(tokenizer: ByteTokenizer | HFTokenizer, options: ReadOptions) -> dict[str, Any]:
+    """What a unit's tokens depend on besides its input (its file name covers that). Not the
+    bad-record policy: a unit finishes under `error` only without bad records, and then holds
+    what `skip` would give."""
     tokenizer_hash = (
         hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()
         if isinstance(tokenizer, HFTokenizer)
@@ -93,7 +93,9 @@ def work_settings(tokenizer: ByteTokenizer | HFTokenizer, text_field: str) -> di
         "version": VERSION,
         "tokenizer_sha256": tokenizer_hash,
         "dtype": token_dtype(tokenizer.vocab_size).newbyteorder("<").str,
-        "text_field": text_field,
+        "text_field": options.text_field,
+        "split_text": options.split_text,
+        "replace_bad_bytes": options.replace_bad_bytes,
     }
 
 
@@ -157,7 +159,8 @@ class WorkDir:
             if kept > 0:
                 print(
                     f"prepare: stopped; the {kept} finished units in {self.path} are kept, and "
-                    "running the same command again resumes from them",
+                    f"running the same command again resumes from them (rm -r {self.path} "
+                    "discards them)",
                     file=sys.stderr,
                 )
             else:
@@ -250,16 +253,18 @@ def write_unit(
     work: WorkDir,
     unit: Unit,
     tokenizer: ByteTokenizer | HFTokenizer,
-    text_field: str,
+    options: ReadOptions,
     tally: _Tally,
 ) -> dict[str, Any]:
-    """Tokenize one unit into its files (see the module docstring); returns its record."""
+    """Tokenize one unit into its files (see the module docstring); returns its record, with
+    the count and the first few of the bad records skipped."""
     final = work.files(unit)
     parts = [f.with_name(f"{f.name}.{os.getpid()}.part") for f in final[:2]]
     num_docs = num_tokens = written = 0
     with open(parts[0], "wb") as tokens_f, open(parts[1], "wb") as lengths_f:
         pending: list[np.ndarray] = []
-        for text in read_documents(unit.source, text_field, tally.add, unit.part):
+        bad = BadRecords(skip=options.on_bad_record == "skip")
+        for text in read_documents(unit.source, options, tally.add, unit.part, bad):
             pending.append(tokenizer.encode_array(text).astype(work.dtype))
             tally.add(num_docs=1, num_tokens=pending[-1].size)
             num_docs, num_tokens = num_docs + 1, num_tokens + pending[-1].size
@@ -278,6 +283,8 @@ def write_unit(
         "part": [unit.part.start, unit.part.stop],
         "num_documents": num_docs,
         "num_tokens": num_tokens,
+        "skipped": bad.count,
+        "skipped_first": bad.first,
     }
     _write_atomically(final[2], json.dumps(record).encode())
     tally.finish(unit.part.num_bytes)
@@ -304,19 +311,20 @@ def tokenize_units(
     units: list[Unit],
     work: WorkDir,
     tokenizer: ByteTokenizer | HFTokenizer,
-    text_field: str,
+    options: ReadOptions,
     workers: int | None = None,
     progress: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Tokenize every unit not finished in `work`, with `workers` processes (default
-    `default_workers`; 1 = in this process). Returns the record of every unit, by key."""
+    `default_workers`; 1 = in this process). Returns the record of every unit, by key. Empty
+    text files and skipped bad records are reported on stderr."""
     records = {u.key: r for u in units if (r := work.finished(u)) is not None}
     todo = [u for u in units if u.key not in records]
     workers = default_workers(todo) if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers ({workers}) must be >= 1")
     workers = max(1, min(workers, len(todo)))
-    check = _SourceCheck(units, text_field)
+    check = _SourceCheck(units, options.text_field)
     for unit in units:
         if unit.key in records:
             check.add(unit, records[unit.key])
@@ -332,21 +340,36 @@ def tokenize_units(
     with bar:
         if workers == 1:
             for unit in todo:
-                record = write_unit(work, unit, tokenizer, text_field, _Tally(bar.add))
+                record = write_unit(work, unit, tokenizer, options, _Tally(bar.add))
                 records[unit.key] = check.add(unit, record)
         else:
-            for unit, record in _run_pool(todo, work, tokenizer, text_field, workers, bar):
+            for unit, record in _run_pool(todo, work, tokenizer, options, workers, bar):
                 records[unit.key] = check.add(unit, record)
         bar.finish(check.totals())
+    if check.empty:
+        shown = ", ".join(str(p) for p in check.empty[:3]) + (
+            ", ..." if len(check.empty) > 3 else ""
+        )
+        print(f"prepare: skipped {len(check.empty)} empty text files ({shown})", file=sys.stderr)
+    skipped = [r for u in units if (r := records[u.key]).get("skipped")]
+    if skipped:
+        first = [where for r in skipped for where in r["skipped_first"]][: BadRecords.SHOWN]
+        print(
+            f"prepare: skipped {sum(r['skipped'] for r in skipped):,} bad records "
+            f"(--on-bad-record=skip); the first: {'; '.join(first)}",
+            file=sys.stderr,
+        )
     return records
 
 
 class _SourceCheck:
-    """Raises the error of a source without documents as soon as all its units are done."""
+    """Raises the error of a source without documents as soon as all its units are done; text
+    files without any are listed in `empty` instead (a directory of texts may hold some)."""
 
     def __init__(self, units: list[Unit], text_field: str):
         self.remaining = Counter(u.source_index for u in units)
         self.docs: Counter[int] = Counter()
+        self.empty: list[Source] = []
         self.sums = [sum(u.part.num_bytes for u in units), 0, 0]
         self.text_field = text_field
 
@@ -356,14 +379,17 @@ class _SourceCheck:
         self.sums[1] += record["num_documents"]
         self.sums[2] += record["num_tokens"]
         if self.remaining[unit.source_index] == 0 and self.docs[unit.source_index] == 0:
-            raise no_documents_error(unit.source, self.text_field)
+            if isinstance(unit.source, Path) and suffix_of(unit.source) == ".txt":
+                self.empty.append(unit.source)
+            else:
+                raise no_documents_error(unit.source, self.text_field)
         return record
 
     def totals(self) -> tuple[int, int, int]:
         return tuple(self.sums)
 
 
-# A pool worker's state, set by `_init_worker`: the work directory, tokenizer, text field and
+# A pool worker's state, set by `_init_worker`: the work directory, tokenizer, read options and
 # the queue progress goes to.
 _WORKER: dict[str, Any] = {}
 
@@ -371,7 +397,7 @@ _WORKER: dict[str, Any] = {}
 def _init_worker(
     work: tuple[Path, dict[str, Any]],
     tokenizer_file: tuple[str, str, int] | None,
-    text_field: str,
+    options: ReadOptions,
     reports: Any,
 ) -> None:
     # Ctrl-C reaches the whole process group: the parent alone stops, after the units in flight.
@@ -381,20 +407,20 @@ def _init_worker(
     else:
         path, name, eos_id = tokenizer_file
         tokenizer = HFTokenizer(path, name=name, eos_id=eos_id)
-    _WORKER.update(work=WorkDir(*work), tokenizer=tokenizer, text_field=text_field, reports=reports)
+    _WORKER.update(work=WorkDir(*work), tokenizer=tokenizer, options=options, reports=reports)
 
 
 def _run_unit(unit: Unit) -> tuple[Unit, dict[str, Any]]:
     tally = _Tally(lambda *counts: _WORKER["reports"].put(counts))
     w = _WORKER
-    return unit, write_unit(w["work"], unit, w["tokenizer"], w["text_field"], tally)
+    return unit, write_unit(w["work"], unit, w["tokenizer"], w["options"], tally)
 
 
 def _run_pool(
     todo: list[Unit],
     work: WorkDir,
     tokenizer: ByteTokenizer | HFTokenizer,
-    text_field: str,
+    options: ReadOptions,
     workers: int,
     bar: TokenizeProgress,
 ) -> Iterator[tuple[Unit, dict[str, Any]]]:
@@ -409,7 +435,7 @@ def _run_pool(
         if isinstance(tokenizer, ByteTokenizer)
         else (str(tokenizer.path), tokenizer.name, tokenizer.eos_id)
     )
-    args = ((work.path, work.settings), tokenizer_file, text_field, reports)
+    args = ((work.path, work.settings), tokenizer_file, options, reports)
     with ProcessPoolExecutor(workers, context, _init_worker, args) as pool:
         pending = {pool.submit(_run_unit, unit) for unit in todo}  # run in submission order
         try:

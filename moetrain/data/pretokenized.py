@@ -3,32 +3,27 @@
 OLMo-core, Dolma-derived and Megatron-style corpora are flat arrays of token ids, uint16 or
 uint32, documents separated by a known EOS id, stored as headerless memory maps (``.npy`` or
 ``.bin`` names; OLMo-core's ``.npy`` files carry no header) or as real ``.npy`` arrays.
-`prepare_pretokenized` checks such files once (every id below the stated vocabulary, the EOS id
-in it) and writes a token directory holding only ``meta.json`` (and the tokenizer's
+`prepare_pretokenized` checks such files once (every id below the stated vocabulary; on a sample
+of each file, that the ids look like the stated dtype and the EOS id gives documents of a
+plausible length, so that uint32 ids read as uint16 or a wrong EOS id are an error naming the
+likely fix) and writes a token directory holding only ``meta.json`` (and the tokenizer's
 ``tokenizer.json`` when one is named): the files (absolute path, byte offset of the first token,
 token count, SHA-256 of the token bytes, modification time), vocabulary size, EOS id, dtype, and
 per-split token and document counts. The tokens are never copied. The files, in
 sorted order, form one stream; train is its head and val its tail from a document boundary near
-(1 - val_fraction) of the tokens. `open_split` memory-maps the files back: one array when the
-split lies in one file, else a `ShardedTokens` view that gathers across files. Invariants: the
-directory is written atomically like any token directory; a file whose size changed since
-prepare is a `ValueError` at start-up, and so is one whose modification time changed and whose
-tokens no longer hash to the recorded SHA-256 (a file rewritten in place; a file only touched or
-copied is hashed again at every start, until prepared again); a model vocabulary smaller than the
-corpus's is one too.
+(1 - val_fraction) of the tokens. `moetrain.data.sharded_tokens` memory-maps the files back.
+The directory is written atomically like any token directory.
 """
 
 from __future__ import annotations
 
-import functools
 import glob
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from moetrain.data.sharded_tokens import ShardedTokens, map_tokens
 from moetrain.data.tokenizer import load_tokenizer
 from moetrain.data.tokens import (
     FORMAT,
@@ -42,54 +37,8 @@ from moetrain.data.tokens import (
 SUFFIXES = (".npy", ".bin")
 DTYPES = ("uint16", "uint32")
 _CHUNK = 1 << 24  # tokens scanned at a time: bounded memory for corpora of any size
-
-
-class ShardedTokens:
-    """A read-only 1-D array of tokens that lie in several arrays end to end, never copied.
-
-    It offers what `SequenceLoader` and the checks use: ``len``, ``ndim``, ``shape``, ``dtype``,
-    ``max()``, slices, and gathers with integer index arrays of any shape.
-    """
-
-    ndim = 1
-
-    def __init__(self, parts: list[np.ndarray]):
-        assert parts and all(p.ndim == 1 for p in parts) and len({p.dtype for p in parts}) == 1
-        self.parts = parts
-        self.starts = np.cumsum([0] + [len(p) for p in parts])
-        self.dtype = parts[0].dtype
-        self.shape = (int(self.starts[-1]),)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    @property
-    def size(self) -> int:
-        return self.shape[0]
-
-    def max(self) -> Any:
-        return max(p.max() for p in self.parts if len(p))
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            assert step == 1, "ShardedTokens slices are contiguous"
-            pieces = []
-            for part, first in zip(self.parts, self.starts[:-1], strict=True):
-                lo, hi = max(start - first, 0), min(stop - first, len(part))
-                if lo < hi:
-                    pieces.append(np.asarray(part[lo:hi]))
-            return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
-        positions = np.asarray(index)
-        assert np.issubdtype(positions.dtype, np.integer), "index with an int array or a slice"
-        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
-            raise IndexError(f"token index out of range [0, {len(self)})")
-        which = np.searchsorted(self.starts, positions, side="right") - 1
-        out = np.empty(positions.shape, dtype=self.dtype)
-        for part in np.unique(which):
-            mask = which == part
-            out[mask] = self.parts[part][positions[mask] - self.starts[part]]
-        return out
+_SAMPLE = 1 << 20  # tokens of each file whose dtype and document lengths are judged
+_MIN_MEAN_DOCUMENT = 4  # tokens: real corpora's documents are hundreds long on average
 
 
 def _expand(inputs: list[str | Path]) -> list[Path]:
@@ -149,10 +98,38 @@ def _layout(path: Path, dtype: np.dtype) -> tuple[int, int]:
     return 0, size // dtype.itemsize
 
 
-def _map(path: Path, dtype: np.dtype, offset: int, num_tokens: int) -> np.ndarray:
-    if num_tokens == 0:
-        return np.empty(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(num_tokens,))
+def _check_plausible(path: Path, tokens: np.ndarray, vocab_size: int, eos_id: int) -> None:
+    """On the first `_SAMPLE` tokens: a clear error when the ids look like another dtype's or
+    the EOS id gives documents of implausible lengths (the usual sign of a wrong --dtype or
+    --eos-id, which the vocabulary check alone lets through)."""
+    sample = np.asarray(tokens[:_SAMPLE])
+    if sample.size < 16:
+        return
+    if sample.dtype == np.uint16 and sample.size % 2 == 0:
+        # little-endian uint32 ids below 65536 read as uint16: every second value is 0
+        if not np.count_nonzero(sample[1::2]) and np.count_nonzero(sample[0::2]):
+            raise ValueError(
+                f"{path}: every second uint16 value is 0, as when uint32 ids are read as "
+                "uint16; the file is likely --dtype uint32"
+            )
+    if sample.dtype == np.uint32 and sample.max() >= vocab_size:
+        if sample.view(np.uint16).max() < vocab_size:
+            raise ValueError(
+                f"{path}: read as uint32 its ids exceed --vocab-size ({vocab_size}), read as "
+                "uint16 they do not; the file is likely --dtype uint16"
+            )
+    num_eos = int(np.count_nonzero(sample == eos_id))
+    where = f"the first {sample.size:,} tokens of {path}"
+    if num_eos == 0 and sample.size == _SAMPLE:
+        raise ValueError(
+            f"the EOS id ({eos_id}) never occurs in {where}; documents that long are unlikely: "
+            "check --eos-id (and --dtype)"
+        )
+    if num_eos and sample.size / num_eos < _MIN_MEAN_DOCUMENT:
+        raise ValueError(
+            f"the EOS id ({eos_id}) ends a document every {sample.size / num_eos:.1f} tokens "
+            f"in {where}: documents that short are implausible; check --eos-id and --dtype"
+        )
 
 
 def _scan(path: Path, tokens: np.ndarray, vocab_size: int, eos_id: int) -> tuple[int, str]:
@@ -242,7 +219,8 @@ def prepare_pretokenized(
     for path in _expand(inputs):
         mtime_ns = path.stat().st_mtime_ns  # before reading: a write during the scan shows later
         offset, num_tokens = _layout(path, token_dtype)
-        tokens = _map(path, token_dtype, offset, num_tokens)
+        tokens = map_tokens(path, token_dtype, offset, num_tokens)
+        _check_plausible(path, tokens, vocab_size, eos_id)
         file_eos, sha = _scan(path, tokens, vocab_size, eos_id)
         num_eos += file_eos
         entry = {"path": str(path), "offset": offset, "num_tokens": num_tokens, "sha256": sha}
@@ -264,65 +242,7 @@ def prepare_pretokenized(
         "num_tokens": {"train": val_start, "val": len(stream) - val_start},
         "num_documents": {"train": num_eos - val_eos, "val": val_eos},
         "files": files,
+        "val_fraction": val_fraction,
     }
     _check_destination(out)
     return install_token_dir(out, lambda tmp: meta, tok)
-
-
-def is_pretokenized(meta: dict[str, Any]) -> bool:
-    return "files" in meta
-
-
-def _split_parts(meta: dict[str, Any], data_dir: Path, split: str) -> Iterator[np.ndarray]:
-    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
-    lo = 0 if split == "train" else meta["num_tokens"]["train"]
-    hi = lo + meta["num_tokens"][split]
-    first = 0
-    for record in meta["files"]:
-        path, n = Path(record["path"]), record["num_tokens"]
-        begin, end = max(lo - first, 0), min(hi - first, n)
-        first += n
-        if begin >= end:
-            continue
-        expected = record["offset"] + n * dtype.itemsize
-        stat = path.stat() if path.is_file() else None
-        found = None
-        if stat is None or stat.st_size != expected:
-            found = "is missing" if stat is None else f"has {stat.st_size} bytes, not {expected}"
-        elif record.get("mtime_ns", stat.st_mtime_ns) != stat.st_mtime_ns:  # rewritten in place?
-            digest = _content_sha256(str(path), record["offset"], expected, stat.st_mtime_ns)
-            if digest != record["sha256"]:
-                found = "holds other tokens (its SHA-256 differs)"
-        if found is not None:
-            raise ValueError(
-                f"token file {path} of {data_dir} {found}: it changed since `moetrain prepare "
-                "--pretokenized` indexed it; restore it or prepare the directory again"
-            )
-        yield _map(path, dtype, record["offset"], n)[begin:end]
-
-
-@functools.lru_cache(maxsize=256)
-def _content_sha256(path: str, offset: int, end: int, mtime_ns: int) -> str:  # noqa: ARG001
-    """SHA-256 of bytes [offset, end) of a file (its tokens), once per modification time."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for chunk in iter(lambda: f.read(min(1 << 24, end - f.tell())), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def open_split(
-    data_dir: Path, meta: dict[str, Any], split: str, vocab_size: int | None
-) -> np.ndarray | ShardedTokens:
-    """One split's tokens, memory-mapped from the indexed files. Every id was checked to be
-    below the corpus's vocabulary at prepare time, so a model vocabulary at least that large is
-    the whole check (no scan of the corpus at every start)."""
-    if vocab_size is not None and vocab_size < meta["vocab_size"]:
-        raise ValueError(
-            f"model.vocab_size ({vocab_size}) is smaller than the vocabulary of the "
-            f"pre-tokenized corpus {data_dir} ({meta['vocab_size']}, from its meta.json); set "
-            "model.vocab_size to at least that, or leave it unset (null) to take it from the data"
-        )
-    parts = list(_split_parts(meta, data_dir, split))
-    return parts[0] if len(parts) == 1 else ShardedTokens(parts)

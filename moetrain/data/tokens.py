@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
+from moetrain.data.sharded_tokens import open_indexed_split
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 FORMAT = "moetrain-tokens"
@@ -55,21 +56,31 @@ def split_documents(
 
     Document i (counting from 0) is held out when floor((i + 1) * f) > floor(i * f), which spreads
     floor(n * f) validation documents evenly (every 20th for f = 0.05). When that holds out
-    nothing, the last document goes to val, so any two or more documents give both splits.
+    nothing, the last document goes to val, so any two or more documents give both splits. A
+    single document is split by tokens: its last max(1, round(f * length)) tokens are val (each
+    part then ends with an EOS in the token directory), so that one long text makes both splits.
     """
     check_val_fraction(val_fraction)
     pending = None  # the latest train document, held back in case val ends up empty
-    num_val = 0
+    num_val = num_train = 0
     for i, ids in enumerate(docs):
         if int((i + 1) * val_fraction) > int(i * val_fraction):
             num_val += 1
             yield "val", ids
             continue
         if pending is not None:
+            num_train += 1
             yield "train", pending
         pending = ids
-    if pending is not None:
+    if pending is None:
+        return
+    if num_val or num_train:
         yield ("val" if num_val == 0 else "train"), pending
+        return
+    cut = len(pending) - max(1, round(len(pending) * val_fraction))
+    if cut > 0:
+        yield "train", pending[:cut]
+    yield "val", pending[cut:]
 
 
 def check_not_prepared(out: Path, overwrite: bool) -> None:
@@ -90,8 +101,10 @@ def write_token_dir(
     tokenizer: ByteTokenizer | HFTokenizer,
     *,
     if_exists: Literal["replace", "keep"] = "replace",
+    meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ("train" | "val", token ids) documents as a token directory, atomically.
+    """Write ("train" | "val", token ids) documents as a token directory, atomically; `meta`
+    adds fields to its meta.json (how it was prepared).
 
     An existing token directory (or empty directory) at `out_dir` is replaced, or kept when
     ``if_exists="keep"``, in which case a directory that appears while this one is being built
@@ -101,7 +114,10 @@ def write_token_dir(
     if _check_destination(out_dir) and if_exists == "keep":
         return out_dir
     return install_token_dir(
-        out_dir, lambda tmp: _write_splits(tmp, documents, tokenizer), tokenizer, if_exists
+        out_dir,
+        lambda tmp: {**_write_splits(tmp, documents, tokenizer), **(meta or {})},
+        tokenizer,
+        if_exists,
     )
 
 
@@ -226,6 +242,11 @@ def _install(tmp: Path, out_dir: Path, if_exists: str) -> None:
 
 def read_meta(data_dir: str | Path) -> dict[str, Any]:
     data_dir = Path(data_dir)
+    if data_dir.is_file():
+        raise ValueError(
+            f"{data_dir} is a file, not a token directory; make one of it with `moetrain "
+            f"prepare {data_dir} --out DIR` and give DIR"
+        )
     if not data_dir.is_dir():
         raise ValueError(
             f"token directory {data_dir} does not exist; create it with `moetrain prepare`"
@@ -258,9 +279,7 @@ def load_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
         raise ValueError(f"split {split!r} must be one of {', '.join(SPLITS)}")
     meta = read_meta(data_dir)
     if "files" in meta:  # a pre-tokenized corpus: the tokens are in the user's files
-        from moetrain.data.pretokenized import open_split
-
-        return open_split(Path(data_dir), meta, split, vocab_size)
+        return open_indexed_split(Path(data_dir), meta, split, vocab_size)
     path = Path(data_dir) / f"{split}.npy"
     if not path.is_file():
         raise ValueError(f"{path} is missing; prepare the directory again")

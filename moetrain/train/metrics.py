@@ -1,6 +1,9 @@
 """Throughput, FLOP and memory accounting, and where metrics go: console, JSONL, TensorBoard,
 and Weights & Biases when the run asks for it (train/wandb_log.py).
 
+The console is a live bar on a terminal; elsewhere (a Slurm log, a file, CI) each log line says
+the step out of the total, tokens/s and the time left at the run's pace so far.
+
 Values arrive as device tensors at the log cadence and are read once there. MFU uses the
 model FLOPs of moetrain.model.flops against the datasheet dense BF16 peak of the GPU.
 """
@@ -121,12 +124,38 @@ class MetricsSink:
             self._wandb = None
 
 
+class EpochLog:
+    """The train records' "epoch" (completed passes over the training data; for a mix, per
+    source as "epoch_per_source"), and a console line when a new pass begins: a run that outlasts
+    its data trains on the same sequences again."""
+
+    def __init__(self, passes: list[int], labels: list[str] | None) -> None:
+        self.seen, self.labels = passes, labels
+
+    def fields(self, passes: list[int], step: int, console: Console) -> dict[str, Any]:
+        for i, (before, now) in enumerate(zip(self.seen, passes, strict=True)):
+            if now > before:
+                what = f"source {self.labels[i]}" if self.labels else "the training data"
+                console.print(
+                    f"note: {what} ran out by step {step}: epoch {now} began (the same "
+                    "sequences again, reshuffled)"
+                )
+        self.seen = passes
+        if not passes:  # random tokens
+            return {}
+        if self.labels:
+            return {"epoch_per_source": dict(zip(self.labels, passes, strict=True))}
+        return {"epoch": passes[0]}
+
+
 class Console:
-    """A rich progress bar on a terminal; plain log lines elsewhere (CI, files)."""
+    """A rich progress bar on a terminal; elsewhere (Slurm logs, files, CI) plain log lines with
+    step/total, tokens/s and an ETA from the pace since this process started."""
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool = True) -> None:
         self.enabled = enabled
         self.interactive = enabled and sys.stderr.isatty()
+        self.total, self.start_step, self.start = total_steps, start_step, time.perf_counter()
         self._progress = None
         if self.interactive:
             from rich.progress import (
@@ -163,7 +192,20 @@ class Console:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=info)
         else:
-            print(f"step {record['step']:>6} {info}", flush=True)
+            done = f"{record['step']:>{len(str(self.total))}}/{self.total}"
+            print(f"step {done}  {info}{self._eta(record['step'])}", flush=True)
+
+    def _eta(self, step: int) -> str:
+        if step <= self.start_step or step >= self.total:
+            return ""
+        left = (time.perf_counter() - self.start) / (step - self.start_step) * (self.total - step)
+        minutes, seconds = divmod(round(left), 60)
+        hours, minutes = divmod(minutes, 60)
+        return (
+            f"  eta {hours}:{minutes:02d}:{seconds:02d}"
+            if hours
+            else f"  eta {minutes}:{seconds:02d}"
+        )
 
     def print(self, message: str) -> None:
         if not self.enabled:

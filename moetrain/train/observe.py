@@ -14,6 +14,7 @@ Contents: `routing_summary` (one layer's load statistics), `summarize_moe_stats`
 metrics.jsonl holds one JSON object per line, appended by the trainer:
     {"kind": "train", "step", "loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
      "tflops", "mfu", "peak_mem_gib", "skipped_steps", "moe": [{"layer": int, **routing_summary}],
+     "epoch": completed passes over the training data (a mix: "epoch_per_source": {source: int}),
      "tokens_per_source": {source: int} (a mix of data.sources only)}
     {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix only)}
 """
@@ -135,15 +136,22 @@ class TokenGamingDetector:
     """Warns when a layer's load-balancing loss improves while its measured load gets worse.
 
     For each layer it keeps the last `window` log points and fits a least-squares line to the lb
-    loss and to max/mean load against the step; the fit, not the two end points, decides, so
-    single noisy readings neither trigger nor mask a warning. It fires when, along the fitted
-    lines, the lb loss fell by more than `lb_improve` (relative) while max/mean rose by more than
-    `imbalance_worsen` (relative). After a warning the layer's window starts afresh, so a
-    persisting problem is reported once per `window` log steps, not on every line.
+    loss and to max/mean load against the step; the fit, not the two end points, decides. It
+    fires when, along the fitted lines, the lb loss fell by more than `lb_improve` (relative)
+    while max/mean rose by more than `imbalance_worsen` (relative), and each change exceeds
+    `significance` standard errors of the fit: both statistics scatter from one log interval to
+    the next by more than those thresholds (a short interval routes few tokens), and trends
+    judged without the scatter fired on pure noise at most log steps of a short run. After a
+    warning the layer's window starts afresh, so a persisting problem is reported once per
+    `window` log steps, not on every line.
     """
 
     def __init__(
-        self, window: int = 5, lb_improve: float = 0.02, imbalance_worsen: float = 0.10
+        self,
+        window: int = 5,
+        lb_improve: float = 0.02,
+        imbalance_worsen: float = 0.10,
+        significance: float = 3.0,
     ) -> None:
         if window < 2:
             raise ValueError(f"window ({window}) must be >= 2 log steps")
@@ -152,6 +160,7 @@ class TokenGamingDetector:
                 f"lb_improve ({lb_improve}) and imbalance_worsen ({imbalance_worsen}) must be >= 0"
             )
         self.window, self.lb_improve, self.imbalance_worsen = window, lb_improve, imbalance_worsen
+        self.significance = significance
         self._history: dict[int, deque[tuple[int, float, float]]] = {}
 
     def update(self, step: int, layer: int, lb_loss: float, max_mean: float) -> str | None:
@@ -166,14 +175,17 @@ class TokenGamingDetector:
             return None
 
         steps = [s for s, _, _ in history]
-        lb_start, lb_end = _fitted_ends(steps, [v for _, v, _ in history])
-        mm_start, mm_end = _fitted_ends(steps, [v for _, _, v in history])
+        lb_start, lb_end, lb_error = _fitted_trend(steps, [v for _, v, _ in history])
+        mm_start, mm_end, mm_error = _fitted_trend(steps, [v for _, _, v in history])
         if lb_start <= 0 or mm_start <= 0:
             return None
         lb_drop = (lb_start - lb_end) / lb_start
         mm_rise = (mm_end - mm_start) / mm_start
         if lb_drop <= self.lb_improve or mm_rise <= self.imbalance_worsen:
             return None
+        k = self.significance
+        if lb_start - lb_end <= k * lb_error or mm_end - mm_start <= k * mm_error:
+            return None  # within the scatter of the readings: no trend
         history.clear()
         return (
             f"layer {layer}: load-balancing loss improved {100 * lb_drop:.1f}% "
@@ -187,14 +199,19 @@ class TokenGamingDetector:
         self._history.clear()
 
 
-def _fitted_ends(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """Least-squares line through (x, y), evaluated at the first and last x."""
+def _fitted_trend(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
+    """The least-squares line through (x, y) at the first and last x, and the standard error of
+    their difference (from the residuals; 0 for two points, which leave none)."""
     x_arr, y_arr = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     dx = x_arr - x_arr.mean()
     denom = float((dx * dx).sum())
     slope = float((dx * (y_arr - y_arr.mean())).sum()) / denom if denom > 0 else 0.0
     mean = float(y_arr.mean())
-    return mean + slope * float(dx[0]), mean + slope * float(dx[-1])
+    residuals = y_arr - mean - slope * dx
+    dof = len(x_arr) - 2
+    error = math.sqrt(float((residuals**2).sum()) / dof / denom) if dof > 0 and denom > 0 else 0.0
+    span = float(dx[-1] - dx[0])
+    return mean + slope * float(dx[0]), mean + slope * float(dx[-1]), error * span
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -243,6 +260,7 @@ _TB_TAGS = {
     "tflops": "perf/tflops",
     "mfu": "perf/mfu",
     "peak_mem_gib": "perf/peak_mem_gib",
+    "epoch": "data/epoch",
 }
 _TB_MOE_KEYS = ("max_mean", "cv", "zero_frac", "entropy", "lb_loss", "drop_frac")
 
@@ -253,8 +271,8 @@ class TensorBoardWriter:
     Needs the `tensorboard` package; without it, it logs one info message and every `write` is a
     no-op (`enabled` is False). Missing or None values are skipped.
     Tags: loss/train, loss/val, aux/*, optim/*, perf/*, moe/{layer}/{max_mean, cv,
-    zero_frac, entropy, lb_loss, drop_frac}, and for a mix data/tokens/* and loss/val/*
-    (`scalar_tags`).
+    zero_frac, entropy, lb_loss, drop_frac}, data/epoch, and for a mix data/tokens/*,
+    data/epoch/* and loss/val/* (`scalar_tags`).
     """
 
     def __init__(self, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
@@ -286,13 +304,16 @@ class TensorBoardWriter:
 
 def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
     """The scalars of a train/eval record under their TensorBoard (and W&B) tags; missing and
-    None values are left out. A mix adds data/tokens/{source} and loss/val/{source}."""
+    None values are left out. A mix adds data/tokens/{source}, data/epoch/{source} and
+    loss/val/{source}."""
     tags: dict[str, Any] = {tag: record.get(key) for key, tag in _TB_TAGS.items()}
     for layer in record.get("moe") or ():
         for key in _TB_MOE_KEYS:
             tags[f"moe/{layer['layer']}/{key}"] = layer.get(key)
     for source, tokens in (record.get("tokens_per_source") or {}).items():
         tags[f"data/tokens/{source}"] = tokens
+    for source, epoch in (record.get("epoch_per_source") or {}).items():
+        tags[f"data/epoch/{source}"] = epoch
     for source, loss in (record.get("val_loss_per_source") or {}).items():
         tags[f"loss/val/{source}"] = loss
     return {

@@ -13,7 +13,8 @@ save a checkpoint and return; K consecutive skipped steps (seen at a log step) s
 an error message. An unwritable run directory is an error before the model is built, and so is
 one that another live run holds: the main rank locks it for the life of the run (run_lock.py).
 Checkpoints record the tokens' content hash and carry the tokenizer; a resume checks both the
-hash and that the architecture and data settings of the config are the checkpoint's.
+hash and that the architecture and data settings of the config are the checkpoint's, prints what
+else changed and what the learning rate does next, and refuses an LR jump unless allowed.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ import torch.distributed as dist
 from moetrain import faults
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
-from moetrain.config_resume import check_resumable
 from moetrain.data import (
     MixedLoader,
     check_same_data,
     data_fingerprint,
+    resolve_data_paths,
     resolve_eos_id,
     resolve_vocab_size,
     source_labels,
@@ -60,8 +61,9 @@ from moetrain.train.build import (
 )
 from moetrain.train.graph import StepGraph
 from moetrain.train.log_stats import collect_log_values
-from moetrain.train.metrics import Console, MetricsSink, Throughput, peak_memory_gib
+from moetrain.train.metrics import Console, EpochLog, MetricsSink, Throughput, peak_memory_gib
 from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
+from moetrain.train.resume import check_resume
 from moetrain.train.run_lock import RunDirLocked, RunLock
 from moetrain.train.spike import LossSpikeDetector
 from moetrain.train.wandb_log import WandbWriter, import_wandb
@@ -84,11 +86,15 @@ class Trainer:
         progress: bool = True,
         overwrite: bool = False,
         model_transform: Callable[[Transformer], None] | None = None,
+        allow_lr_increase: bool = False,
     ) -> None:
         """`model_transform` changes the parallelized model before it is materialized (on the
         meta device; with FSDP after): benchmarks use it to keep one rank's share of a larger
-        layout (`moetrain.bench.project`)."""
-        config = resolve_eos_id(resolve_vocab_size(config))  # unset: from the tokenizer
+        layout (`moetrain.bench.project`). `allow_lr_increase` lets a resume whose changed
+        schedule raises the LR above its last value go on (`optim.schedule.lr_change`)."""
+        # data paths made absolute; unset vocab_size and eos_id: from the tokenizer
+        config = resolve_eos_id(resolve_vocab_size(resolve_data_paths(config)))
+        self.allow_lr_increase = allow_lr_increase
         if config.train.wandb_project is not None:  # a missing package fails now, not at step 1
             import_wandb(config.train.wandb_project)
         self.config = config
@@ -163,8 +169,9 @@ class Trainer:
                 names = ", ".join(p.name for p in manager.unusable(self.checkpoint_root))
                 raise manager.CheckpointError(
                     f"--resume: no checkpoint under {self.checkpoint_root} verifies ({names}); "
-                    "refusing to start over at step 0. Inspect them, or start the run over "
-                    "without --resume and with --overwrite (which deletes them)"
+                    "refusing to start over at step 0. Put an intact copy of a checkpoint "
+                    "there, or train from the weights of one elsewhere in a new run "
+                    "(another --run-dir, --init-from CHECKPOINT)"
                 )
             elif progress and self.is_main:  # a first start under a requeue-safe --resume
                 print(f"no complete checkpoint under {self.checkpoint_root}: starting at step 0")
@@ -187,6 +194,8 @@ class Trainer:
         self.metrics = MetricsSink(self.run_dir, enabled=self.is_main, wandb=wandb)
         self.throughput = Throughput(flops_per_token(config), self.device)
         self.gaming = TokenGamingDetector()
+        labels = source_labels(config.data) if config.data.sources else None
+        self.epochs = EpochLog(self.train_loader.passes(), labels)
 
     def _hold_run_dir(self) -> None:
         """The main rank locks the run directory for the life of the run (train/run_lock.py);
@@ -403,6 +412,7 @@ class Trainer:
             tokens = self.train_loader.tokens_per_source()
             labels = source_labels(self.config.data)
             record["tokens_per_source"] = dict(zip(labels, tokens, strict=True))
+        record.update(self.epochs.fields(self.train_loader.passes(), self.step, self.console))
         record["lb_loss"] = _mean([layer["lb_loss"] for layer in record["moe"]])
         record["z_loss"] = _mean([layer["z_loss"] for layer in record["moe"]])
         for layer in record["moe"]:
@@ -506,8 +516,7 @@ class Trainer:
         """Resume from `path` (its files' hashes checked unless `verified` already). Its
         config.yaml must agree with this run's on the architecture and the data
         (moetrain/config_resume.py); anything else may have changed."""
-        saved = Path(path) / "config.yaml"
-        check_resumable(RunConfig.load_yaml(saved), self.config, str(saved))
+        check_resume(Path(path), self.config, self.allow_lr_increase, self.is_main)
         state = self.tensor_state()
         trainer_state = manager.load(path, state, check_hashes=not verified)
         if trainer_state.get("data_fingerprint") != self.data_fingerprint:

@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_failed_prepare_left
 
 from moetrain.data import ByteTokenizer, load_split, prepare
-from moetrain.data.documents import expand_inputs
+from moetrain.data.inputs import expand_inputs
 
 EOS = ByteTokenizer.eos_id
 TEXTS = ["first document", "zweites Dokument ✓", "third\nwith two lines", "4th", "fifth one"]
@@ -90,7 +90,7 @@ def test_hf_dataset_saved_to_disk(tmp_path):
 def test_hf_dataset_by_name_from_a_local_directory(tmp_path, monkeypatch, capsys):
     datasets = pytest.importorskip("datasets")
     from moetrain.cli import main
-    from moetrain.data.documents import load_named_dataset
+    from moetrain.data.inputs import load_named_dataset
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     (tmp_path / "corpus").mkdir()

@@ -19,7 +19,7 @@ from test_tokenizer import train_bpe
 
 from moetrain.data import ByteTokenizer, load_split, prepare
 from moetrain.data import parallel_tokenize as pt
-from moetrain.data.documents import expand_inputs
+from moetrain.data.inputs import expand_inputs
 
 EOS = ByteTokenizer.eos_id
 WRITE_UNIT = pt.write_unit

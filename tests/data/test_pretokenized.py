@@ -10,7 +10,8 @@ import pytest
 from moetrain.cli import main
 from moetrain.config import DataConfig
 from moetrain.data import SequenceLoader, load_split, open_data, read_meta
-from moetrain.data.pretokenized import ShardedTokens, prepare_pretokenized
+from moetrain.data.pretokenized import prepare_pretokenized
+from moetrain.data.sharded_tokens import ShardedTokens
 from moetrain.data.tokens import fingerprint
 
 EOS = 0

@@ -94,13 +94,12 @@ def test_split_documents_spreads_val_evenly_and_never_leaves_it_empty():
     "name, content, match",
     [
         ("missing.txt", None, r"input file .*missing\.txt does not exist"),
-        ("empty.txt", "  \n", r"input file .*empty\.txt is empty"),
         ("bad.jsonl", '{"text": "ok"}\n{"txt": "oops"}\n', r"bad\.jsonl:2: expected .*\"text\""),
         ("num.jsonl", '{"text": "ok"}\n\n{"text": 3}\n', r"num\.jsonl:3: expected .*\"text\""),
         ("junk.jsonl", '{"text": "ok"}\nnot json\n', r"junk\.jsonl:2: not valid JSON"),
         ("none.jsonl", '{"text": ""}\n', r"none\.jsonl holds no documents"),
         ("data.csv", "a,b\n", r"data\.csv has an unsupported type"),
-        ("latin1.txt", b"caf\xe9", r"latin1\.txt is not UTF-8"),
+        ("latin1.txt", b"caf\xe9", r"latin1\.txt: not UTF-8 text .*--replace-bad-bytes"),
     ],
 )
 def test_bad_inputs_raise_and_leave_no_output(tmp_path, name, content, match):
@@ -117,7 +116,7 @@ def test_bad_inputs_raise_and_leave_no_output(tmp_path, name, content, match):
 
 
 def test_too_few_documents_for_two_splits(tmp_path):
-    inputs = write_txt(tmp_path, ["only one"])
+    inputs = write_txt(tmp_path, ["1"])  # one token: nothing to split by tokens either
     with pytest.raises(ValueError, match="the train split would be empty"):
         prepare(inputs, tmp_path / "tokens", progress=False)
     assert_nothing_left(tmp_path, inputs)
@@ -130,15 +129,15 @@ def test_failed_prepare_keeps_the_previous_directory(tmp_path):
     inputs = write_txt(tmp_path, TEXTS)
     out = prepare(inputs, tmp_path / "tokens", progress=False)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match="is empty"):
-        prepare([*inputs, tmp_path / "empty.txt"], out, progress=False, overwrite=True)
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        prepare([*inputs, tmp_path / "bad.txt"], out, progress=False, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # A successful run replaces it, and leaves no temporary directories behind.
     prepare(inputs[:2], out, val_fraction=0.5, progress=False, overwrite=True)
     assert read_meta(out)["num_documents"] == {"train": 1, "val": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [p.name for p in inputs] + ["empty.txt", "tokens"]
+        [p.name for p in inputs] + ["bad.txt", "tokens"]
     )
 
 

@@ -157,6 +157,24 @@ def test_detector_silent_on_noise():
     assert _feed(TokenGamingDetector(), 0, lb, mm) == []
 
 
+def test_detector_silent_on_the_scatter_of_short_log_intervals():
+    # stationary readings that scatter as a short run's do (few tokens per log interval): the
+    # thresholds alone (2% and 10%) fired at ~40% of the log steps of 8 layers
+    rng = np.random.default_rng(0)
+    detector, steps, fired = TokenGamingDetector(), 300, set()
+    for step in range(steps):
+        for layer in range(8):
+            lb = 1.03 + 0.02 * rng.standard_normal()
+            mm = 1.5 * (1 + 0.15 * rng.standard_normal())
+            if detector.update(step, layer, lb, mm) is not None:
+                fired.add(step)
+    assert len(fired) <= 0.02 * steps
+    # a real trend under a little scatter is still reported
+    lb = np.linspace(1.10, 1.00, 10) + 0.005 * rng.standard_normal(10)
+    mm = np.linspace(1.5, 3.0, 10) * (1 + 0.03 * rng.standard_normal(10))
+    assert _feed(TokenGamingDetector(), 0, lb, mm)
+
+
 def test_detector_tracks_layers_separately():
     detector = TokenGamingDetector(window=4)
     healthy_lb, healthy_mm = np.linspace(1.2, 1.0, 8), np.linspace(2.0, 1.2, 8)
@@ -261,6 +279,12 @@ def test_scalar_tags_name_each_source_of_a_mix():
     from moetrain.train.observe import scalar_tags
 
     train = {"step": 4, "loss": 2.0, "mfu": None, "tokens_per_source": {"web": 70, "code": 30}}
-    assert scalar_tags(train) == {"loss/train": 2.0, "data/tokens/web": 70, "data/tokens/code": 30}
+    train["epoch_per_source"] = {"web": 1, "code": 0}
+    assert scalar_tags(train) == {
+        "loss/train": 2.0,
+        **{"data/tokens/web": 70, "data/tokens/code": 30},
+        **{"data/epoch/web": 1, "data/epoch/code": 0},
+    }
+    assert scalar_tags({"step": 4, "epoch": 2}) == {"data/epoch": 2}
     evals = {"step": 4, "val_loss": 2.5, "val_loss_per_source": {"web": 2.0, "code": 3.0}}
     assert scalar_tags(evals) == {"loss/val": 2.5, "loss/val/web": 2.0, "loss/val/code": 3.0}

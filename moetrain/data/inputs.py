@@ -1,31 +1,23 @@
-"""Text documents from the inputs a user brings to `moetrain prepare`, in a fixed order.
+"""What `moetrain prepare` reads: its inputs as sources, in a fixed order, and their parts.
 
 Inputs are files, directories and glob patterns; `expand_inputs` turns them into a sorted list
 of sources (a directory is searched recursively for files of a known type, plain ``.json``
 excepted, and for Hugging Face datasets saved with `save_to_disk`, each one source);
-`load_named_dataset` adds a Hugging Face dataset by name. `read_documents` yields the text of
-each document: a ``.txt`` file is one document; JSON lines (``.jsonl``, ``.json``, optionally
-``.gz`` or ``.zst`` compressed) hold one document per line in a string field; ``.parquet`` files
-and Hugging Face datasets hold one per row in a string column. Blank lines and empty texts are
-skipped. A malformed record is a one-line `ValueError` naming the file and its line (or row).
-`split_source` cuts a large source into `Part`s that are read on their own (plain JSON lines at
-line starts, Parquet at row groups, datasets at rows; compressed and .txt files stay whole), and
-the parts of a source read in order yield exactly its documents, with the same line and row
-numbers in errors. The compressed and columnar formats need optional packages (the `data`
-extra); a missing one is an error naming the extra.
+`load_named_dataset` adds a Hugging Face dataset by name. `split_source` cuts a large source
+into `Part`s that are read on their own (plain JSON lines at line starts, Parquet at row groups,
+datasets at rows; compressed and .txt files stay whole); `moetrain.data.input_readers` reads the
+documents of a source or a part. The compressed and columnar formats need optional packages (the
+`data` extra); a missing one is an error naming the extra.
 """
 
 from __future__ import annotations
 
 import functools
 import glob
-import gzip
-import io
 import json
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 SUFFIXES = (".txt", ".parquet", *JSON_SUFFIXES)
@@ -61,7 +53,7 @@ class Part:
     num_bytes: int = 0
 
 
-def _suffix(path: Path) -> str | None:
+def suffix_of(path: Path) -> str | None:
     name = path.name.lower()
     return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
 
@@ -69,7 +61,7 @@ def _suffix(path: Path) -> str | None:
 def _walked(path: Path) -> bool:
     """Whether a directory walk takes this file: plain .json files are left to explicit naming,
     since directories are full of metadata (a saved dataset's state.json, configs)."""
-    return _suffix(path) not in (None, ".json")
+    return suffix_of(path) not in (None, ".json")
 
 
 def is_hf_dataset(path: Path) -> bool:
@@ -107,7 +99,7 @@ def expand_inputs(inputs: list[str | Path | NamedDataset]) -> list[Source]:
         path = Path(spec)
         if glob.has_magic(str(spec)) and not path.exists():
             matches = [Path(p) for p in sorted(glob.glob(str(spec), recursive=True))]
-            found = [p for p in matches if is_hf_dataset(p) or (p.is_file() and _suffix(p))]
+            found = [p for p in matches if is_hf_dataset(p) or (p.is_file() and suffix_of(p))]
             if not found:
                 raise ValueError(f"the pattern {spec} matches no input file of a known type")
             sources.extend(found)
@@ -121,7 +113,7 @@ def expand_inputs(inputs: list[str | Path | NamedDataset]) -> list[Source]:
                 )
             sources.extend(found)
         elif path.is_file():
-            if _suffix(path) is None:
+            if suffix_of(path) is None:
                 raise ValueError(
                     f"input file {path} has an unsupported type; expected one of "
                     f"{', '.join(SUFFIXES)} or a Hugging Face dataset directory"
@@ -135,7 +127,7 @@ def expand_inputs(inputs: list[str | Path | NamedDataset]) -> list[Source]:
 def load_named_dataset(name: str, config: str | None = None, split: str = "train") -> NamedDataset:
     """One split of a Hugging Face dataset by name, through `datasets.load_dataset`: a name on
     the Hub (downloaded once into the `datasets` cache), or a local directory of data files."""
-    datasets = _optional("datasets", "datasets", f"the Hugging Face dataset {name}")
+    datasets = optional_package("datasets", "datasets", f"the Hugging Face dataset {name}")
     try:
         dataset = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # network, missing config or split: each its own exception type
@@ -173,11 +165,11 @@ def source_identity(source: Source) -> list[list[Any]]:
 def split_source(source: Source, target_bytes: int) -> list[Part]:
     """The parts of a source, each about `target_bytes` of input (see the module docstring)."""
     if isinstance(source, NamedDataset) or is_hf_dataset(source):
-        return _row_parts(len(_open_dataset(source)), source_bytes(source), target_bytes)
+        return _row_parts(len(open_dataset(source)), source_bytes(source), target_bytes)
     size = source.stat().st_size
-    if _suffix(source) == ".parquet":
+    if suffix_of(source) == ".parquet":
         return _parquet_parts(source, size, target_bytes)
-    if _suffix(source) in (".jsonl", ".json"):
+    if suffix_of(source) in (".jsonl", ".json"):
         return _line_parts(source, size, target_bytes)
     return [Part(0, None, size)]
 
@@ -220,7 +212,7 @@ def _row_parts(num_rows: int, num_bytes: int, target_bytes: int) -> list[Part]:
 
 
 def _parquet_parts(path: Path, size: int, target_bytes: int) -> list[Part]:
-    rows = _parquet_group_rows(_open_parquet(path))
+    rows = parquet_group_rows(open_parquet(path))
     per_part = -(-rows[-1] // _num_parts(size, target_bytes))
     num_groups = len(rows) - 1
     boundaries = [0]
@@ -230,38 +222,7 @@ def _parquet_parts(path: Path, size: int, target_bytes: int) -> list[Part]:
     return _rows_to_parts([*boundaries, num_groups], rows, size)
 
 
-def read_documents(
-    source: Source, text_field: str, advance: Callable[[int], None], part: Part = Part()
-) -> Iterator[str]:
-    """The non-empty documents of one source, or of one part of it; `advance` is told the input
-    bytes consumed."""
-    if isinstance(source, NamedDataset) or is_hf_dataset(source):
-        reader = _read_dataset(source, text_field, advance, part)
-    elif _suffix(source) == ".txt":
-        reader = _read_txt(source, advance)
-    elif _suffix(source) == ".parquet":
-        reader = _read_parquet(source, text_field, advance, part)
-    else:
-        reader = _read_json_lines(source, text_field, advance, part)
-    return (text for text in reader if text)
-
-
-def no_documents_error(source: Source, text_field: str) -> ValueError:
-    return ValueError(f"input {source} holds no documents (no non-empty {text_field!r} text)")
-
-
-def _read_txt(path: Path, advance: Callable[[int], None]) -> Iterator[str]:
-    data = path.read_bytes()
-    advance(len(data))
-    if not data.strip():
-        raise ValueError(f"input file {path} is empty")
-    try:
-        yield data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"input file {path} is not UTF-8 text: {exc}") from None
-
-
-def _optional(module: str, package: str, what: str) -> Any:
+def optional_package(module: str, package: str, what: str) -> Any:
     try:
         return __import__(module)
     except ImportError:
@@ -271,105 +232,8 @@ def _optional(module: str, package: str, what: str) -> Any:
         ) from None
 
 
-def _open_stream(path: Path, raw: IO[bytes]) -> tuple[IO[bytes], tuple[type[Exception], ...]]:
-    """The decompressed byte stream of `raw` and the exceptions its decompressor raises."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb"), (OSError, EOFError)
-    if name.endswith(".zst"):
-        zstandard = _optional("zstandard", "zstandard", f"{path} (.zst)")
-        reader = zstandard.ZstdDecompressor().stream_reader(raw)
-        return io.BufferedReader(reader), (zstandard.ZstdError, OSError, EOFError)
-    return raw, ()
-
-
-def _lines_before(path: Path, offset: int) -> int:
-    """The number of line ends in the first `offset` bytes of a file (for error messages only,
-    so a part that starts deep in a file pays nothing unless one of its records is bad)."""
-    count = 0
-    with open(path, "rb") as f:
-        while offset > 0:
-            block = f.read(min(offset, 16 << 20))
-            count += block.count(b"\n")
-            offset -= len(block)
-    return count
-
-
-def _read_json_lines(
-    path: Path, text_field: str, advance: Callable[[int], None], part: Part
-) -> Iterator[str]:
-    with open(path, "rb") as raw:
-        stream, damaged = _open_stream(path, raw)
-        raw.seek(part.start)  # only plain files are split, so start is 0 for the others
-        consumed, line_no = part.start, 0
-        lines = enumerate(stream, start=1)
-
-        def where(n: int) -> str:
-            return f"{path}:{n + (_lines_before(path, part.start) if part.start else 0)}"
-
-        while part.stop is None or consumed < part.stop:
-            try:
-                line_no, line = next(lines)
-            except StopIteration:
-                break
-            except damaged as exc:
-                raise ValueError(
-                    f"{where(line_no + 1)}: cannot decompress ({exc}); the file is truncated "
-                    "or corrupt"
-                ) from None
-            advance(raw.tell() - consumed)
-            consumed = raw.tell()
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"{where(line_no)}: not valid JSON ({exc})") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{where(line_no)}: expected a JSON object with a string "
-                    f"{json.dumps(text_field)} field"
-                )
-            yield text
-
-
-def _texts_of_tables(
-    where: Source,
-    tables: Iterator[Any],
-    text_field: str,
-    advance: Callable[[int], None],
-    num_bytes: int,
-    rows: tuple[int, int],
-) -> Iterator[str]:
-    """The strings of column `text_field` of Arrow tables or record batches that hold rows
-    [rows[0], rows[1]) of `where`, row by row; the part's `num_bytes` are reported in proportion
-    to the rows read (columnar files have no line positions)."""
-    first, stop = rows
-    row, reported = first, 0
-    for table in tables:
-        for text in table.column(text_field).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{where}: row {row}: column {text_field!r} holds {text!r}, not a string"
-                )
-            yield text
-        done = num_bytes * (row - first) // max(stop - first, 1)
-        advance(done - reported)
-        reported = done
-
-
-def _check_column(where: Source, names: list[str], text_field: str) -> None:
-    if text_field not in names:
-        raise ValueError(
-            f"{where} has no column {text_field!r} (its columns: {', '.join(names)}); "
-            "choose one with --text-field"
-        )
-
-
-def _open_parquet(path: Path) -> Any:
-    _optional("pyarrow", "pyarrow", f"{path} (Parquet)")
+def open_parquet(path: Path) -> Any:
+    optional_package("pyarrow", "pyarrow", f"{path} (Parquet)")
     import pyarrow.parquet as pq
 
     try:
@@ -378,7 +242,7 @@ def _open_parquet(path: Path) -> Any:
         raise ValueError(f"{path} is not a readable Parquet file ({exc})") from None
 
 
-def _parquet_group_rows(parquet: Any) -> list[int]:
+def parquet_group_rows(parquet: Any) -> list[int]:
     """The number of rows before each row group, and in all of them at the end."""
     rows = [0]
     for group in range(parquet.num_row_groups):
@@ -386,28 +250,15 @@ def _parquet_group_rows(parquet: Any) -> list[int]:
     return rows
 
 
-def _read_parquet(
-    path: Path, text_field: str, advance: Callable[[int], None], part: Part
-) -> Iterator[str]:
-    parquet = _open_parquet(path)
-    _check_column(path, parquet.schema_arrow.names, text_field)
-    rows = _parquet_group_rows(parquet)
-    groups = range(part.start, parquet.num_row_groups if part.stop is None else part.stop)
-    tables = (parquet.read_row_group(i, columns=[text_field]) for i in groups)
-    num_bytes = part.num_bytes if part.stop is not None else path.stat().st_size
-    span = (rows[groups.start], rows[groups.stop])
-    yield from _texts_of_tables(path, tables, text_field, advance, num_bytes, span)
-
-
-def _open_dataset(source: Source) -> Any:
+def open_dataset(source: Source) -> Any:
     """A saved or named dataset, memory-mapped from its Arrow files."""
-    return _open_dataset_of(source, json.dumps(source_identity(source)))
+    return open_dataset_of(source, json.dumps(source_identity(source)))
 
 
 @functools.lru_cache(maxsize=4)  # the parts of one dataset, read one after another
-def _open_dataset_of(source: Source, identity: str) -> Any:
+def open_dataset_of(source: Source, identity: str) -> Any:
     """`_open_dataset`, cached while the dataset's files are unchanged (`identity`)."""
-    datasets = _optional("datasets", "datasets", f"the Hugging Face dataset {source}")
+    datasets = optional_package("datasets", "datasets", f"the Hugging Face dataset {source}")
     if isinstance(source, NamedDataset):
         try:
             parts = [datasets.Dataset.from_file(str(f)) for f in source.files]
@@ -424,15 +275,3 @@ def _open_dataset_of(source: Source, identity: str) -> Any:
             f"directory, e.g. {source / next(iter(dataset))}"
         )
     return dataset
-
-
-def _read_dataset(
-    source: Source, text_field: str, advance: Callable[[int], None], part: Part
-) -> Iterator[str]:
-    dataset = _open_dataset(source)
-    _check_column(source, dataset.column_names, text_field)
-    stop = len(dataset) if part.stop is None else part.stop
-    rows = dataset.select_columns([text_field]).select(range(part.start, stop))
-    batches = rows.with_format("arrow").iter(batch_size=1024)  # the saved row order
-    num_bytes = part.num_bytes if part.stop is not None else source_bytes(source)
-    yield from _texts_of_tables(source, batches, text_field, advance, num_bytes, (part.start, stop))

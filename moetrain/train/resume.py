@@ -1,0 +1,30 @@
+"""What a resume checks and says before it loads a checkpoint's state, for the CLI and the
+Trainer API alike: the checkpoint's config against the run's (`config_resume.check_resumable`:
+a frozen field is an error naming it), what the learning rate does next when the schedule
+changed (`optim.schedule.lr_change`: a jump above its last value is an error unless allowed),
+and the changes, printed once (stderr of the main rank).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from moetrain.checkpoint import manager
+from moetrain.config import RunConfig
+from moetrain.config_resume import check_resumable
+from moetrain.optim.schedule import lr_change
+
+
+def check_resume(
+    checkpoint: Path, config: RunConfig, allow_lr_increase: bool, report: bool
+) -> None:
+    saved = checkpoint / "config.yaml"
+    old = RunConfig.load_yaml(saved)
+    changes = check_resumable(old, config, str(saved))
+    step = json.loads((checkpoint / manager.TRAINER_STATE).read_text())["step"]
+    lr_note = lr_change(old.train, config.train, step, allow_lr_increase)
+    if changes and report:
+        lines = [*changes, lr_note] if lr_note else changes
+        print(f"--resume: changes to {saved}: " + "; ".join(lines), file=sys.stderr)

@@ -1,0 +1,101 @@
+"""What a user meets after the first run, through the command line: progress in a log file, a
+run that outlasts its data, relative paths, a tokenizer named by another path, a validation
+share the token directory does not have, extending a run, and the router's learned bias on
+resume. One tiny run (2 steps on a small token directory that one step reads through) is shared
+by the module."""
+
+import contextlib
+import io
+import json
+import re
+import shutil
+
+import pytest
+import yaml
+
+from moetrain.cli import main
+from moetrain.data.tokenizer_files import byte_tokenizer_json
+from moetrain.presets import tiny
+from moetrain.train.trainer import Trainer
+
+RUN = ["--set", "train.steps=2", "--set", "train.log_every=1", "--set", "train.eval_every=0"]
+RUN += ["--set", "train.warmup_steps=0", "--set", "moe.bias_update_rate=0.01"]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """(work directory, run directory, train command, stdout lines) of a 2-step tiny run started
+    in the work directory on the relative token directory `tok`, prepared with one
+    tokenizer.json and trained with a byte-identical copy of it at another path."""
+    work = tmp_path_factory.mktemp("work")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(work)
+        for name in ("a", "b"):  # the same tokenizer file in two places
+            (work / name).mkdir()
+            (work / name / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json()))
+        # one document of 1,100 bytes, half of it for val: 8 windows of 65 tokens in each split
+        (work / "book.txt").write_text("".join(f"line {i:04d} of the book\n" for i in range(50)))
+        prepare = ["prepare", "book.txt", "--out", "tok", "--val-fraction", "0.5", "--quiet"]
+        assert main([*prepare, "--tokenizer", "a/tokenizer.json"]) == 0
+        command = ["train", "--preset", "tiny", "--run-dir", "run", *RUN]
+        command += ["--set", "data.path=tok", "--set", "data.tokenizer=b/tokenizer.json"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(command) == 0
+    yield work, work / "run", command, out.getvalue().splitlines()
+
+
+def test_first_run_progress_epochs_and_resolved_paths(first_run, capsys, monkeypatch):
+    work, run_dir, _, lines = first_run
+    # a log file gets step/total, tokens/s and the time left (#41.13)
+    first = next(line for line in lines if line.startswith("step"))
+    assert re.search(r"^step 1/2  loss .* tok/s .*  eta \d+:\d\d$", first), first
+    # the data wraps after every step: recorded in the metrics and said at each pass (#41.8)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert sum("the training data ran out by step" in line for line in lines) == 2
+    # the tokenizer was accepted by content (#41.6); paths are stored absolute (#41.5)
+    data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
+    assert data["path"] == str(work / "tok") and data["tokenizer"] == str(work / "b/tokenizer.json")
+    monkeypatch.chdir(work.parent)
+    assert main(["eval", "--checkpoint", str(run_dir), "--batches", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+
+
+def test_val_fraction_of_a_token_directory_is_refused(first_run, capsys, monkeypatch):
+    work, _, command, _ = first_run
+    monkeypatch.chdir(work)
+    other = ["--run-dir", "other", "--set", "data.val_fraction=0.1"]
+    assert main([*command, *other, "--quiet"]) == 2
+    assert "data.val_fraction (0.1) is not the split of" in capsys.readouterr().err
+
+
+def test_extending_a_run_says_what_the_lr_does_and_refuses_a_jump(first_run, capsys, tmp_path):
+    _, run_dir, _, _ = first_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    resume = ["train", "--resume", "--quiet", "--run-dir", str(copy), "--set", "train.steps=4"]
+    assert main(resume) == 2  # cosine over 4 steps: the LR climbs back from its floor
+    err = capsys.readouterr().err
+    assert re.search(r"the LR goes from 0\.0003 \(step 2\) to 0\.00097\d* at step 3", err), err
+    assert "--allow-lr-increase" in err and "train.lr=0.0003" in err
+    # the Trainer API acts on the same check
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    config["train"]["steps"] = 4
+    with pytest.raises(ValueError, match="a jump above the LR the run last trained with"):
+        Trainer(type(tiny()).from_dict(config), copy, resume=True, progress=False)
+    assert main([*resume, "--allow-lr-increase"]) == 0
+    assert "train.steps: 2 -> 4; the LR goes from 0.0003 (step 2)" in capsys.readouterr().err
+
+
+def test_a_resume_cannot_drop_the_learned_router_bias(first_run, capsys):
+    _, run_dir, _, _ = first_run
+    resume = ["train", "--resume", "--quiet", "--run-dir", str(run_dir)]
+    assert main([*resume, "--set", "moe.bias_update_rate=0"]) == 2
+    assert "moe.bias_update_rate cannot change between 0 and > 0" in capsys.readouterr().err
+    # another positive rate: the learned bias is loaded (zero at initialization)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["moe"]["bias_update_rate"] = 0.02
+    trainer = Trainer(type(tiny()).from_dict(config), run_dir, resume=True, progress=False)
+    assert all(m.router.expert_bias_E.abs().sum() > 0 for m in trainer.model.moe_layers())
+    trainer.shutdown()
