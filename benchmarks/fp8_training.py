@@ -60,15 +60,6 @@ VARIANTS = {  # name: (config overrides, FP8RowwiseGroupedGemm arguments other t
         [*FP8_EXPERTS, "precision.linear=fp8_rowwise", "precision.lm_head=fp8_rowwise"],
         {},
     ),
-    "fp8 all+expert wgrad": (
-        [
-            *FP8_EXPERTS,
-            "precision.linear=fp8_rowwise",
-            "precision.lm_head=fp8_rowwise",
-            "precision.fp8_expert_weight_grad=true",
-        ],
-        {},
-    ),
 }
 
 

@@ -11,9 +11,7 @@ backward:
     dh_N2F = swiglu backward          the SwiGLU backward kernel also writes dh's rows in FP8,
                                       and a again in bf16 (for gw_down)
     gx_ND = dh_N2F @ w_up^T           FP8
-    gw_up = x^T dh, gw_down = a^T gy  bf16 (`torch._grouped_mm`), or with `fp8_weight_grad`
-                                      FP8 (moe/fp8_weight_grad.py: dh's and gy's FP8 rows
-                                      transposed, their row scales moved onto x and a)
+    gw_up = x^T dh, gw_down = a^T gy  bf16 (`torch._grouped_mm`)
 
 Composed of per-product ops (`fp8_grouped_mm` twice around `swiglu`), the SwiGLU output and its
 gradient would each be written in bf16 and read back by a separate quantization pass: the
@@ -34,7 +32,6 @@ import torch
 
 from moetrain.kernels.swiglu import swiglu_fp8, swiglu_fp8_backward
 from moetrain.moe.fp8_gemm import _grouped_weight_grad, quantized_weight, scaled_grouped_mm
-from moetrain.moe.fp8_weight_grad import grouped_weight_grad_fp8
 from moetrain.nn.fp8 import quantize_rows
 
 
@@ -49,7 +46,6 @@ def fp8_swiglu_experts_op(
     x_scale_N: torch.Tensor | None,
     emulate: bool,
     use_fast_accum: bool,
-    fp8_weight_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): the MLP's output and the activation its backward reads (with x). x_q_ND and
     x_scale_N, when given, are `quantize_rows(x_ND)`, computed by the caller."""
@@ -69,8 +65,7 @@ def fp8_swiglu_experts_op(
 
 @fp8_swiglu_experts_op.register_fake
 def _(
-    x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, x_q_ND, x_scale_N, emulate, use_fast_accum,
-    fp8_weight_grad,
+    x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, x_q_ND, x_scale_N, emulate, use_fast_accum
 ):  # fmt: skip
     n = x_ND.shape[0]
     return x_ND.new_empty((n, w_down_eFD.shape[2])), x_ND.new_empty((n, w_up_eD2F.shape[2]))
@@ -87,7 +82,6 @@ def fp8_swiglu_experts_backward(
     w_N: torch.Tensor | None,
     emulate: bool,
     use_fast_accum: bool,
-    fp8_weight_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x, grad w_up, grad w_down, grad w_N: empty without row weights)."""
     dtype = x_ND.dtype
@@ -96,30 +90,16 @@ def fp8_swiglu_experts_backward(
     grad_a_NF = scaled_grouped_mm(
         *grad_y_fp8, *quantized_weight(w_down_eFD, "F"), offs_e, dtype, emulate, use_fast_accum
     )
-    if not fp8_weight_grad:
-        del (
-            grad_y_fp8
-        )  # each temporary goes as soon as it is read: the peak is one layer's backward
+    del grad_y_fp8  # each temporary goes as soon as it is read: the peak is one layer's backward
     grad_h_N2F, grad_h_q, grad_h_scale, grad_w_N, a_NF = swiglu_fp8_backward(h_N2F, grad_a_NF, w_N)
     del grad_a_NF
-    fp8 = dict(emulate=emulate, use_fast_accum=use_fast_accum)
-    if fp8_weight_grad:
-        del grad_y_ND, grad_h_N2F  # the FP8 rows stand for them
-        grad_w_down = grouped_weight_grad_fp8(a_NF, *grad_y_fp8, offs_e, w_down_eFD.dtype, **fp8)
-        del grad_y_fp8
-    else:
-        grad_w_down = _grouped_weight_grad(a_NF, grad_y_ND, offs_e).to(w_down_eFD.dtype)
-        del grad_y_ND
-    del a_NF
+    grad_w_down = _grouped_weight_grad(a_NF, grad_y_ND, offs_e).to(w_down_eFD.dtype)
+    del grad_y_ND, a_NF
     grad_x_ND = scaled_grouped_mm(
-        grad_h_q, grad_h_scale, *quantized_weight(w_up_eD2F, "F"), offs_e, dtype, **fp8
-    )
-    if fp8_weight_grad:
-        grad_w_up = grouped_weight_grad_fp8(
-            x_ND, grad_h_q, grad_h_scale, offs_e, w_up_eD2F.dtype, **fp8
-        )
-    else:
-        grad_w_up = _grouped_weight_grad(x_ND, grad_h_N2F, offs_e).to(w_up_eD2F.dtype)
+        grad_h_q, grad_h_scale, *quantized_weight(w_up_eD2F, "F"), offs_e, dtype,
+        emulate, use_fast_accum,
+    )  # fmt: skip
+    grad_w_up = _grouped_weight_grad(x_ND, grad_h_N2F, offs_e).to(w_up_eD2F.dtype)
     if grad_w_N is None:
         grad_w_N = x_ND.new_empty((0,), dtype=torch.float32)
     return grad_x_ND, grad_w_up, grad_w_down, grad_w_N
@@ -127,8 +107,7 @@ def fp8_swiglu_experts_backward(
 
 @fp8_swiglu_experts_backward.register_fake
 def _(
-    grad_y_ND, x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum,
-    fp8_weight_grad,
+    grad_y_ND, x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum
 ):  # fmt: skip
     grad_w_N = x_ND.new_empty((0,), dtype=torch.float32) if w_N is None else torch.empty_like(w_N)
     return (
@@ -140,12 +119,12 @@ def _(
 
 
 def _setup(ctx, inputs, output) -> None:
-    x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, _, _, emulate, use_fast_accum, fp8_wgrad = inputs
+    x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, _, _, emulate, use_fast_accum = inputs
     _, h_N2F = output
     ctx.mark_non_differentiable(h_N2F)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N)
-    ctx.emulate, ctx.use_fast_accum, ctx.fp8_weight_grad = emulate, use_fast_accum, fp8_wgrad
+    ctx.emulate, ctx.use_fast_accum = emulate, use_fast_accum
 
 
 def _backward(ctx, grad_y_ND, _grad_h):
@@ -154,7 +133,7 @@ def _backward(ctx, grad_y_ND, _grad_h):
         grad_y_ND = x_ND.new_zeros((x_ND.shape[0], w_down_eFD.shape[2]))
     grad_x, grad_w_up, grad_w_down, grad_w_N = fp8_swiglu_experts_backward(
         grad_y_ND, x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N,
-        ctx.emulate, ctx.use_fast_accum, ctx.fp8_weight_grad,
+        ctx.emulate, ctx.use_fast_accum,
     )  # fmt: skip
     return (
         grad_x,
@@ -162,7 +141,6 @@ def _backward(ctx, grad_y_ND, _grad_h):
         grad_w_down,
         None,
         grad_w_N if w_N is not None else None,
-        None,
         None,
         None,
         None,
@@ -183,10 +161,9 @@ def fp8_swiglu_experts(
     emulate: bool,
     use_fast_accum: bool,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fp8_weight_grad: bool = False,
 ) -> torch.Tensor:
     """y = swiglu(x @ w_up, w_N) @ w_down per expert group, the forward and input-gradient
-    products in FP8 (the weight gradients too with `fp8_weight_grad`); differentiable in x, both
+    products in FP8; differentiable in x, both
     weights and the row weights w_N (float32, optional). `x_fp8`: (q, scale), x's rows already
     quantized (`quantize_rows(x_ND)`, e.g. by the dispatcher), not differentiated."""
     if w_N is not None and w_N.dtype != torch.float32:
@@ -194,6 +171,6 @@ def fp8_swiglu_experts(
     x_q_ND, x_scale_N = (None, None) if x_fp8 is None else x_fp8
     y_ND, _ = fp8_swiglu_experts_op(
         x_ND.contiguous(), w_up_eD2F, w_down_eFD, offs_e, w_N, x_q_ND, x_scale_N, emulate,
-        use_fast_accum, fp8_weight_grad,
+        use_fast_accum,
     )  # fmt: skip
     return y_ND

@@ -22,9 +22,7 @@ torch 2.11 sources (GroupedBlas.cpp, ScaledGroupMM.cu, GroupMMCommon.cuh, _meta_
 Group sizes in the 2-D x 3-D case (forward and input gradient) are unconstrained: groups start
 at row offsets, and a row of K fp8 bytes keeps 16-byte alignment; empty groups are fine. The
 weight gradient is the 2-D x 2-D case, whose group sizes come from the router (any size, empty
-experts included): FP8RowwiseGroupedGemm computes it in BF16 with `torch._grouped_mm`, or, with
-`fp8_weight_grad` in its fused MLP, in FP8 on operands laid out in padded groups
-(moe/fp8_weight_grad.py).
+experts included): FP8RowwiseGroupedGemm computes it in BF16 with `torch._grouped_mm`.
 
 MXFP8 block-scaled grouped products (E8M0 scales, swizzled layout) are Blackwell-only in torch's
 libraries, so the MXFP8 recipe is an emulation (quantize, dequantize, high-precision math) on
@@ -117,8 +115,6 @@ class FP8RowwiseGroupedGemm:
     Weight grad  gw_i = x_i^T gy_i in BF16 with `torch._grouped_mm`: the FP8 2-D x 2-D kernel
                  asserts non-empty groups whose sizes are multiples of 16, which routing does not
                  give (see the module docstring). x is therefore saved in its input precision.
-                 `fp8_weight_grad` makes the fused MLP's two weight gradients FP8 on padded
-                 groups (moe/fp8_weight_grad.py); the composed products keep BF16.
     Weights are quantized at every call, like the activations: no cache, no host-side state. The
     product and its backward are two opaque torch.library ops with a registered autograd formula
     (`fp8_grouped_mm`), quantizing with the Triton kernels inside on the GPU: a compiled block
@@ -140,7 +136,6 @@ class FP8RowwiseGroupedGemm:
         emulate: bool | None = None,
         use_fast_accum: bool = True,
         fuse_swiglu: bool = True,
-        fp8_weight_grad: bool = False,
     ) -> None:
         device = torch.device(device)
         reason = fp8_unsupported_reason(device)
@@ -152,7 +147,6 @@ class FP8RowwiseGroupedGemm:
         self.name = "fp8_rowwise (emulation)" if emulate else "fp8_rowwise"
         self.use_fast_accum = use_fast_accum
         self.fuse_swiglu = fuse_swiglu
-        self.fp8_weight_grad = fp8_weight_grad
 
     def swiglu_mlp(
         self,
@@ -183,7 +177,6 @@ class FP8RowwiseGroupedGemm:
         return fp8_swiglu_experts(
             x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N,
             emulate=self.emulated, use_fast_accum=self.use_fast_accum, x_fp8=x_fp8,
-            fp8_weight_grad=self.fp8_weight_grad,
         )  # fmt: skip
 
     @property
@@ -387,13 +380,11 @@ def make_grouped_gemm(
     device: torch.device | str,
     *,
     use_fast_accum: bool = True,
-    fp8_weight_grad: bool = False,
 ) -> GroupedGemm:
     """The expert GEMM for a precision recipe on `device` (the device the step runs on).
 
     "bf16": `torch._grouped_mm`. "fp8_rowwise": FP8 tensor cores on compute capability 9.x/10.x
-    (fast accumulation unless `use_fast_accum=False`; the weight gradients too with
-    `fp8_weight_grad`); on the CPU an emulation (for tests and debugging); any other CUDA GPU
+    (fast accumulation unless `use_fast_accum=False`); on the CPU an emulation (for tests and debugging); any other CUDA GPU
     raises ValueError. "mxfp8": always the emulation (no MXFP8 grouped kernel exists for Hopper).
     """
     device = torch.device(device)
@@ -401,15 +392,13 @@ def make_grouped_gemm(
         return BF16GroupedGemm()
     if recipe == "fp8_rowwise":
         if device.type == "cpu":
-            return FP8RowwiseGroupedGemm(device, emulate=True, fp8_weight_grad=fp8_weight_grad)
+            return FP8RowwiseGroupedGemm(device, emulate=True)
         reason = fp8_unsupported_reason(device)
         if reason is not None:
             raise ValueError(
                 f"precision.experts=fp8_rowwise is unavailable: {reason}; use 'bf16' or 'mxfp8' (emulation)"
             )
-        return FP8RowwiseGroupedGemm(
-            device, use_fast_accum=use_fast_accum, fp8_weight_grad=fp8_weight_grad
-        )
+        return FP8RowwiseGroupedGemm(device, use_fast_accum=use_fast_accum)
     if recipe == "mxfp8":
         return MXFP8EmulatedGroupedGemm(device)
     raise ValueError(

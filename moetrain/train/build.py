@@ -132,10 +132,7 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
     if config.precision.experts == "bf16":
         return
     gemm = make_grouped_gemm(
-        config.precision.experts,
-        device,
-        use_fast_accum=config.precision.fp8_fast_accum,
-        fp8_weight_grad=config.precision.fp8_expert_weight_grad,
+        config.precision.experts, device, use_fast_accum=config.precision.fp8_fast_accum
     )
     for layer in model.moe_layers():
         layer.experts.gemm = gemm
