@@ -21,7 +21,7 @@ from moetrain.data import (
     source_labels,
 )
 from moetrain.model.transformer import Transformer
-from moetrain.moe.fp8_gemm import make_grouped_gemm
+from moetrain.moe.grouped_gemm import make_grouped_gemm
 from moetrain.nn.attention import Attention
 from moetrain.nn.fp8 import check_fp8_widths, fp8_unsupported_reason
 from moetrain.nn.mlp import SwiGLU

@@ -10,7 +10,8 @@ import torch._inductor.config
 
 from moetrain.kernels.swiglu import swiglu_reference
 from moetrain.moe.experts import GroupedExperts, grouped_mm_reference
-from moetrain.moe.fp8_gemm import FP8RowwiseGroupedGemm, fp8_unsupported_reason
+from moetrain.moe.grouped_gemm import FP8RowwiseGroupedGemm
+from moetrain.nn.fp8 import fp8_unsupported_reason
 
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_unsupported_reason(torch.device("cuda")) is None
 
@@ -190,7 +191,7 @@ def moe_layer_run(fp8_rows: bool, *, device="cpu", compile=False, seed=9):
     """An FP8-expert MoE layer (fused MLP; the emulation off FP8 GPUs) on fresh inputs, with
     the dispatcher's FP8 rows on or off: output and every gradient."""
     from moetrain.config import MoEConfig
-    from moetrain.moe.fp8_gemm import make_grouped_gemm
+    from moetrain.moe.grouped_gemm import make_grouped_gemm
     from moetrain.moe.layer import MoELayer
 
     torch.manual_seed(seed)

@@ -9,13 +9,9 @@ import torch
 
 from moetrain.kernels import quant
 from moetrain.moe.experts import grouped_mm_reference
-from moetrain.moe.fp8_gemm import (
-    BF16GroupedGemm,
-    FP8RowwiseGroupedGemm,
-    MXFP8EmulatedGroupedGemm,
-    fp8_unsupported_reason,
-    make_grouped_gemm,
-)
+from moetrain.moe.grouped_gemm import BF16GroupedGemm, FP8RowwiseGroupedGemm, make_grouped_gemm
+from moetrain.moe.mxfp8 import MXFP8EmulatedGroupedGemm
+from moetrain.nn.fp8 import fp8_unsupported_reason
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
