@@ -278,7 +278,7 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
     val_fraction: float = 0.05
     random_tokens: bool = False  # uniform random token ids (benchmarks only)
-    # attention stays within the documents of a packed sequence (EOS-separated; nn/documents.py)
+    # attention stays within the documents of a packed sequence (EOS-separated; nn/document_mask.py)
     document_masking: bool = False
     # with document_masking: RoPE positions count from 0 at each document start
     reset_positions: bool = False

@@ -15,7 +15,7 @@ activation dtype between norm and RoPE and applies RoPE with tables in that dtyp
 `qk_norm_rope_reference` is the fused op's plain-torch twin, per tensor.
 `torch.nn.functional.scaled_dot_product_attention` runs the flash or cuDNN kernels on GPU; the
 backend can be pinned, since cuDNN is about twice as fast as flash on Hopper for our shapes.
-Given a `DocumentMask` (data.document_masking, moetrain.nn.documents), attention stays within
+Given a `DocumentMask` (data.document_masking, moetrain.nn.document_mask), attention stays within
 each document of the packed rows (FlexAttention on CUDA, SDPA with a dense mask on CPU) and RoPE
 takes its positions, reset per document when asked; without one the code path is the plain one.
 """
@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moetrain.kernels import qk_norm_rope_triton
-from moetrain.nn.documents import DocumentMask
+from moetrain.nn.document_mask import DocumentMask
 from moetrain.nn.fp8 import fp8_linear
 from moetrain.nn.norm import RMSNorm, rms_norm_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope
