@@ -1,5 +1,5 @@
 """A Trainer's optimizer and gradient sync are freed with it: their gradient hooks stay on the
-parameters but hold them weakly (moetrain.optim.grad_hooks). Before, the ShardedAdamW and the
+parameters but hold them weakly (moetrain.optim.grad_buckets). Before, the ShardedAdamW and the
 GradientSync of every Trainer built in one process stayed alive, with their buffers."""
 
 import gc
