@@ -158,7 +158,7 @@ def make_grouped_gemm(
             )
         return FP8RowwiseGroupedGemm(device, use_fast_accum=use_fast_accum)
     if recipe == "mxfp8":
-        return MXFP8EmulatedGroupedGemm(device)
+        return MXFP8EmulatedGroupedGemm()
     raise ValueError(
         f"precision.experts: unknown recipe {recipe!r}; valid: 'bf16', 'fp8_rowwise', 'mxfp8'"
     )

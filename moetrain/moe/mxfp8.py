@@ -25,14 +25,6 @@ class MXFP8EmulatedGroupedGemm:
     name = "mxfp8 (emulation)"
     emulated = True
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.quantize = quant.quantize_mxfp8
-        if torch.device(device).type == "cuda":
-            from moetrain.kernels import quant_triton
-
-            if quant_triton.triton_available():
-                self.quantize = quant_triton.quantize_mxfp8_triton
-
     def __call__(
         self, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
     ) -> torch.Tensor:
@@ -44,7 +36,7 @@ class MXFP8EmulatedGroupedGemm:
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         """MXFP8 round trip along the last dim, back in x's dtype."""
-        return quant.dequantize_mxfp8(*self.quantize(x), dtype=x.dtype)
+        return quant.dequantize_mxfp8(*quant.quantize_mxfp8(x), dtype=x.dtype)
 
     def fake_quantize_rows(self, x_NK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
         """Round trip along the token dim (blocks of 32 rows), padding rows zeroed."""
@@ -57,7 +49,7 @@ class MXFP8EmulatedGroupedGemm:
     def weight(self, w_eDF: torch.Tensor, reduction: str) -> torch.Tensor:
         """w round-tripped along its reduction dim ("D" forward, "F" input grad), as (e, D, F)."""
         w = w_eDF.detach()
-        q, scale = self.quantize(w.mT) if reduction == "D" else self.quantize(w)
+        q, scale = quant.quantize_mxfp8(w.mT if reduction == "D" else w)
         w_dq = quant.dequantize_mxfp8(q, scale, dtype=w_eDF.dtype)
         return w_dq.mT if reduction == "D" else w_dq
 
