@@ -280,6 +280,21 @@ def measure_step(preset: str) -> float:
     return bench_moetrain(get_preset(preset), steps=5).stats["median_ms"]
 
 
+def print_table(rows: list[dict]) -> None:
+    """The markdown table of measured rows: kernel x preset, kernel / twin ms and share."""
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    cells: dict[str, dict[str, str]] = {}
+    for r in rows:
+        cell = f"{r['kernel_ms']:.3f} / {r['twin_ms']:.3f}, {r['share_pct']:+.2f}%"
+        cells.setdefault(r["kernel"], {"replaces": r["replaces"]})[r["preset"]] = cell
+    steps = {r["preset"]: r["step_ms"] for r in rows}
+    print("\nstep ms: " + ", ".join(f"{p} {steps[p]:.1f}" for p in presets))
+    print("| kernel | replaces | " + " | ".join(f"{p}: kernel / twin ms, share" for p in presets) + " |")  # fmt: skip
+    print("|---|---|" + "---|" * len(presets))
+    for kernel, row in cells.items():
+        print(f"| {kernel} | {row['replaces']} | " + " | ".join(row.get(p, "-") for p in presets) + " |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default=",".join(PRESETS))
@@ -287,8 +302,13 @@ def main() -> None:
     parser.add_argument("--measure-steps", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", help="append one JSON line per measured row here")
+    parser.add_argument("--table", help="only print the table of this --json file")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, interpreter")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print_table([json.loads(line) for line in f if line.strip()])
+        return
     t0 = time.perf_counter()
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -303,38 +323,29 @@ def main() -> None:
         def compile_twin(fn):
             return torch.compile(fn, dynamic=False)
 
-    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (smoke)'}, "
-          f"torch {torch.__version__}", flush=True)  # fmt: skip
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
+    print(f"{name}, torch {torch.__version__}", flush=True)
     step_ms = dict(STEP_MS)
     step_ms.update({k: float(v) for k, v in (p.split("=") for p in args.step_ms.split(",") if p)})
-    table: dict[str, dict[str, tuple[float, float, float]]] = {}
-    replaces: dict[str, str] = {}
+    rows = []
     for preset in args.presets.split(","):
         if args.measure_steps and not args.smoke:
             step_ms[preset] = measure_step(preset)
-        shapes = Shapes(preset, args.smoke)
-        for case in cases(shapes, device, compile_twin):
+        for case in cases(Shapes(preset, args.smoke), device, compile_twin):
             kernel, twin = time_case(case, args.reps)
             gain = (twin - kernel) * case.calls
-            share = 100 * gain / step_ms[preset]
-            table.setdefault(case.kernel, {})[preset] = (kernel, twin, share)
-            replaces[case.kernel] = case.replaces
-            row = dict(preset=preset, kernel=case.kernel, kernel_ms=kernel, twin_ms=twin,
-                       calls=case.calls, gain_ms=gain, step_ms=step_ms[preset], share_pct=share)  # fmt: skip
+            row = dict(preset=preset, kernel=case.kernel, replaces=case.replaces,
+                       kernel_ms=kernel, twin_ms=twin, calls=case.calls, gain_ms=gain,
+                       step_ms=step_ms[preset], share_pct=100 * gain / step_ms[preset])  # fmt: skip
+            rows.append(row)
             print(json.dumps(row), flush=True)
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    presets = args.presets.split(",")
-    print(f"\nstep ms: {', '.join(f'{p} {step_ms[p]:.1f}' for p in presets)}; "
-          f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
-    print("| kernel | replaces | " + " | ".join(f"{p}: kernel / twin ms, share" for p in presets) + " |")  # fmt: skip
-    print("|---|---|" + "---|" * len(presets))
-    for kernel, by_preset in table.items():
-        cells = [f"{k:.3f} / {t:.3f}, {share:+.2f}%" for k, t, share in map(by_preset.get, presets)]
-        print(f"| {kernel} | {replaces[kernel]} | " + " | ".join(cells) + " |")
+    print(f"{time.perf_counter() - t0:.0f} s")
+    print_table(rows)
 
 
 if __name__ == "__main__":
