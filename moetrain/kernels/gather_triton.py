@@ -13,8 +13,7 @@ one op is the backward of the other:
   copy); with weights and y, the whole combine backward in one pass: grad_y and grad_w.
 Walking tokens rather than rows reads each token's row (x, or the incoming gradient g) exactly
 once from memory and writes its K rows whole; the row-order formulation (rows[n] = x[order[n] //
-K], grad_y[n] = w * g[order[n] // K]) re-reads every token row K times through L2 and measured
-15-40% slower on an H200 (T = 16384, K = 8, D = 1024-2048, in a one-off comparison). The
+K], grad_y[n] = w * g[order[n] // K]) re-reads every token row K times through L2. The
 writes land at rows inverse[t, k]: a permutation, so every output element is written by exactly
 one program, with no atomics and deterministic results. The (T, K) weights and the grad_w dots
 are read and written in token order, i.e. contiguously.
@@ -118,7 +117,7 @@ def launch_config(D: int, max_block_d: int = MAX_BLOCK_D, tile: int = 4096) -> d
     """The whole row in one block up to `max_block_d`, and enough tokens per program to fill a
     tile of `tile` elements (4 at D = 1024, 2 at 2048, 1 from 4096; more for short rows, so that
     a program still moves a useful amount). Four warps: on an H200 at D = 1024-2048 the choice of
-    1-4 tokens and 4-8 warps moved the times by a few percent at most (`gather_bench --sweep`)."""
+    1-4 tokens and 4-8 warps moved the times by a few percent at most."""
     block_d = min(triton.next_power_of_2(max(D, 1)), max_block_d)
     block_r = max(1, min(64, tile // block_d))
     return dict(

@@ -39,10 +39,9 @@ COLUMN_PROGRAMS_MIN = 256
 COLUMN_ROWS_MAX = 16384
 _GRID_Y_MAX = 65535
 # The one-pass kernel's tile (rows x columns of a step down the columns; a tile of at least M
-# rows holds the whole column block in registers: one read) and warps. Measured on the H200
-# (benchmarks/RESULTS.md) at M = 512-2048: 16 columns of all rows beat 64 x 64 tiles stepping
-# down, and 4 warps with the column blocks of a matrix launched side by side (grid (column
-# block, matrix)) beat one matrix at a time.
+# rows holds the whole column block in registers: one read) and warps: at M = 512-2048, 16
+# columns of all rows beat 64 x 64 tiles stepping down, and 4 warps with the column blocks of a
+# matrix launched side by side (grid (column block, matrix)) beat one matrix at a time.
 COLUMN_TILE = (2048, 16, 4)
 
 # Kernels may only read globals that are constexpr.
