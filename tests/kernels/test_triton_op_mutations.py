@@ -119,23 +119,9 @@ def test_gather_kernels_write_only_their_outputs(D):
     from moetrain.kernels import gather_triton as g
 
     T, K = 32, 4
-    x, inverse = randn(T, D), torch.randperm(T * K).view(T, K)
-    rows, weights = randn(T * K, D), torch.rand(T, K)
-    assert_writes_only(
-        lambda w: g.launch_spread_routes(x, inverse, None, None, rows.clone(), None, wrap=w),
-        {"dst_ptr"},
-    )
-    assert_writes_only(
-        lambda w: g.launch_spread_routes(
-            x, inverse, weights, rows, torch.empty_like(rows), torch.empty_like(weights), wrap=w
-        ),
-        {"dst_ptr", "dot_ptr"},
-    )
-    for w_TK in (None, weights):
-        assert_writes_only(
-            lambda w, w_TK=w_TK: g.launch_sum_routes(rows, inverse, w_TK, x.clone(), wrap=w),
-            {"dst_ptr"},
-        )
+    x, inverse, rows = randn(T, D), torch.randperm(T * K).view(T, K), randn(T * K, D)
+    assert_writes_only(lambda w: g.launch_spread_routes(x, inverse, rows.clone(), wrap=w), {"dst_ptr"})  # fmt: skip
+    assert_writes_only(lambda w: g.launch_sum_routes(rows, inverse, x.clone(), wrap=w), {"dst_ptr"})
 
 
 def test_route_topk_kernel_writes_only_its_outputs():
