@@ -16,9 +16,9 @@ there.
 
 Kernel choices:
 - The exponential unit, not only memory, bounds this op. Each block is a [BLOCK // SUB, SUB]
-  tile and the online logsumexp keeps its running max and sum per SUB-element group (SUB = 8: one thread's
-  load), so the rescale exp(old max - new max) is paid once a group: 1.125 exponentials an
-  element in pass 1, one in pass 2.
+  tile and the online logsumexp keeps its running max and sum per SUB-element group (SUB = 8:
+  one thread's load), so the rescale exp(old max - new max) is paid once a group: 1.125
+  exponentials an element in pass 1, one in pass 2.
 - Runtime loops over the vocabulary: the code does not grow with V.
 - Row offsets are int64 (C * V exceeds 2^31 for larger chunks); vocabulary tails are masked; a
   target outside [0, V) is not read and gives that row a NaN loss (a skipped step upstream).

@@ -16,9 +16,9 @@ in the rows' dtype.
 
 On CUDA with Triton installed the public functions run the Triton ops of `gather_triton` (no
 graph break under `torch.compile(fullgraph=True)`, near memory bandwidth); elsewhere they run the
-references, with the explicit backward formulas below (so both paths save the same tensors). The Triton ops walk tokens and need only
-`inverse_TK` (which must then be a permutation: rows no route maps to would be left unwritten);
-`order_N` is what the references and the row-order formulas above use.
+references, with the explicit backward formulas below (so both paths save the same tensors).
+The Triton ops walk tokens and need only `inverse_TK` (which must then be a permutation: rows no
+route maps to would be left unwritten); `order_N` is what the references use.
 """
 
 from __future__ import annotations

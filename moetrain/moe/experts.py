@@ -11,8 +11,9 @@ give the same result as weighting y, while the combine's backward needs no saved
 swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); a GEMM with a `swiglu_mlp` method
 (FP8 row-scaled) may take the whole MLP as one op instead, to fuse its quantizations into the
 SwiGLU kernels and to take the rows already in row-scaled FP8 from the dispatcher.
-`grouped_mm_reference` is the obvious loop over experts that tests compare against. Weights are indexed by global expert id minus `expert_offset`, so expert parallelism
-only changes which slice of experts a rank holds.
+`grouped_mm_reference` is the obvious loop over experts that tests compare against. Weights are
+indexed by global expert id minus `expert_offset`, so expert parallelism only changes which slice
+of experts a rank holds.
 """
 
 from __future__ import annotations

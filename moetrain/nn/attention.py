@@ -6,9 +6,10 @@ q, k and v come from one GEMM against the three projection weights concatenated 
 output columns), faster than three GEMMs, whose weight gradients cuBLAS split along K. The
 weights stay three parameters (q_proj, k_proj, v_proj, as in Hugging Face checkpoints),
 concatenated in the forward and again in the backward (`concat_linear`) rather than kept: a D x C
-copy each way, where keeping it would hold one per layer and micro-batch in flight. On CUDA with Triton, qk-norm and RoPE run fused (`moetrain.kernels.qk_norm_rope_triton`):
-one op over the projection, two kernel launches per direction, fp32 math rounded once, which also
-hands SDPA a contiguous v and writes the whole projection gradient. The torch path rounds to the
+copy each way, where keeping it would hold one per layer and micro-batch in flight. On CUDA with
+Triton, qk-norm and RoPE run fused (`moetrain.kernels.qk_norm_rope_triton`): one op over the
+projection, two kernel launches per direction, fp32 math rounded once, which also hands SDPA a
+contiguous v and writes the whole projection gradient. The torch path rounds to the
 activation dtype between norm and RoPE and applies RoPE with tables in that dtype.
 `qk_norm_rope_reference` is the fused op's plain-torch twin, per tensor.
 `torch.nn.functional.scaled_dot_product_attention` runs the flash or cuDNN kernels on GPU; the
