@@ -33,19 +33,6 @@ from unittest import mock
 import torch
 
 from moetrain.bench.timing import kernel_ms
-from moetrain.kernels import (
-    accumulate_triton,
-    cross_entropy_triton,
-    gather,
-    gather_triton,
-    qk_norm_rope_triton,
-    quant,
-    quant_triton,
-    sum_of_squares_triton,
-    swiglu,
-    swiglu_triton,
-    topk,
-)
 from moetrain.presets import get_preset
 
 PRESETS = ["small", "olmoe8", "scale-E8", "scale-E128"]
@@ -103,47 +90,61 @@ def fwd_bwd(fn, inputs: list, diff: list):
 
 
 def routes(s: Shapes, device):
-    """(order_N, inverse_TK, row weights) of a random top-k routing, as LocalDispatcher has them."""
+    """(order_N, inverse_TK) of a random top-k routing, as the LocalDispatcher has them."""
     scores = torch.rand(s.T, s.E, device=device)
     ids = scores.topk(s.K, dim=-1).indices.reshape(-1)
     order = torch.argsort(ids, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=device)
-    return order, inverse.view(s.T, s.K), torch.rand(s.N, device=device)
+    return order, inverse.view(s.T, s.K)
 
 
-def cases(s: Shapes, device, compile_twin) -> list[Case]:
-    from moetrain.nn.attention import Attention
-    from moetrain.nn.loss import _chunk_loss_and_grad
+def topk_cases(s: Shapes, device, compile_twin) -> list[Case]:
+    """The router's top-k and routes per expert, forward only."""
+    from moetrain.kernels import topk
 
-    L = s.layers
-    out = []
-    # router: top-k and routes per expert, forward only
     scores = torch.rand(s.T, s.E, device=device).softmax(-1)
-    ref_topk = compile_twin(topk.route_topk_reference)
-    out.append(Case("topk (route_topk)", "torch.topk + scatter_add", L,
-                    lambda: torch.ops.moetrain.route_topk(scores, s.K),
-                    lambda: ref_topk(scores, s.K)))  # fmt: skip
-    # dispatch and combine (the LocalDispatcher's row movements), forward + backward
-    order, inverse, w_N = routes(s, device)
+    twin = compile_twin(topk.route_topk_reference)
+    return [Case("topk (route_topk)", "torch.topk + scatter_add, compiled", s.layers,
+                 lambda: torch.ops.moetrain.route_topk(scores, s.K), lambda: twin(scores, s.K))]  # fmt: skip
+
+
+def gather_cases(s: Shapes, device, compile_twin) -> list[Case]:
+    """The LocalDispatcher's row movements, forward + backward."""
+    from moetrain.kernels import gather, gather_triton
+
+    order, inverse = routes(s, device)
     x = rand(s.T, s.D, device=device).requires_grad_()
     y = rand(s.N, s.D, device=device).requires_grad_()
     g_twin = compile_twin(lambda x: gather._GatherRoutesReference.apply(x, order, inverse))
-    out.append(Case("gather (gather_routes)", "x[order // K], compiled", L,
-                    fwd_bwd(lambda x: gather_triton.gather_routes_triton(x, inverse), [x], [x]),
-                    fwd_bwd(g_twin, [x], [x])))  # fmt: skip
     s_twin = compile_twin(lambda y: gather._SumRoutesReference.apply(y, order, inverse))
-    out.append(Case("gather (sum_routes)", "gather + sum over K, compiled", L,
-                    fwd_bwd(lambda y: gather_triton.sum_routes_triton(y, inverse), [y], [y]),
-                    fwd_bwd(s_twin, [y], [y])))  # fmt: skip
-    # the experts' SwiGLU with row weights, forward + backward
+    return [
+        Case("gather (gather_routes)", "x[order // K], compiled", s.layers,
+             fwd_bwd(lambda x: gather_triton.gather_routes_triton(x, inverse), [x], [x]),
+             fwd_bwd(g_twin, [x], [x])),
+        Case("gather (sum_routes)", "gather + sum over K, compiled", s.layers,
+             fwd_bwd(lambda y: gather_triton.sum_routes_triton(y, inverse), [y], [y]),
+             fwd_bwd(s_twin, [y], [y])),
+    ]  # fmt: skip
+
+
+def swiglu_cases(s: Shapes, device, compile_twin) -> list[Case]:
+    """The experts' SwiGLU with row weights, forward + backward."""
+    from moetrain.kernels import swiglu, swiglu_triton
+
     h = rand(s.N, 2 * s.F, device=device).requires_grad_()
-    w = w_N.clone().requires_grad_()
-    sw_twin = compile_twin(lambda h, w: swiglu._SwiGLUReference.apply(h, w))
-    out.append(Case("swiglu", "silu(gate) * up * w, compiled", L,
-                    fwd_bwd(swiglu_triton.swiglu_triton, [h, w], [h, w]),
-                    fwd_bwd(sw_twin, [h, w], [h, w])))  # fmt: skip
-    # attention's qk-norm + RoPE over the fused projection, forward + backward
+    w = torch.rand(s.N, device=device).requires_grad_()
+    twin = compile_twin(lambda h, w: swiglu._SwiGLUReference.apply(h, w))
+    return [Case("swiglu", "silu(gate) * up * w, compiled", s.layers,
+                 fwd_bwd(swiglu_triton.swiglu_triton, [h, w], [h, w]),
+                 fwd_bwd(twin, [h, w], [h, w]))]  # fmt: skip
+
+
+def qk_norm_rope_cases(s: Shapes, device, compile_twin) -> list[Case]:
+    """Attention's qk-norm + RoPE over the fused projection, forward + backward."""
+    from moetrain.kernels import qk_norm_rope_triton
+    from moetrain.nn.attention import Attention
+
     H = s.D // s.heads
     attn = Attention(s.D, s.heads, s.heads, H, max_positions=s.S).to(device)
     for p in attn.parameters():  # bf16 weights, fp32 RoPE tables, as the trainer has them
@@ -151,7 +152,7 @@ def cases(s: Shapes, device, compile_twin) -> list[Case]:
     qkv = rand(s.B, s.S, 3 * s.D, device=device, scale=2.0).requires_grad_()
     weights = [qkv, attn.q_norm.weight, attn.k_norm.weight]
 
-    def qk_kernel(qkv):
+    def kernel(qkv):
         return qk_norm_rope_triton.qkv_norm_rope_triton(
             qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
             attn.rope.cos_SH, attn.rope.sin_SH, H, s.D,
@@ -161,21 +162,24 @@ def cases(s: Shapes, device, compile_twin) -> list[Case]:
         return mock.patch.object(qk_norm_rope_triton, "supports", lambda *a: False)
 
     with torch_path():
-        qk_twin = fwd_bwd(compile_twin(attn._heads), [qkv], weights)
-    out.append(Case("qk_norm_rope", "RMSNorm + RoPE of q and k, compiled", L,
-                    fwd_bwd(qk_kernel, [qkv], weights), qk_twin, torch_path))  # fmt: skip
-    # one cross-entropy chunk: loss and softmax - onehot (its forward writes the gradient)
+        twin = fwd_bwd(compile_twin(attn._heads), [qkv], weights)
+    return [Case("qk_norm_rope", "RMSNorm + RoPE of q and k, compiled", s.layers,
+                 fwd_bwd(kernel, [qkv], weights), twin, torch_path)]  # fmt: skip
+
+
+def cross_entropy_cases(s: Shapes, device, compile_twin) -> list[Case]:
+    """One chunk's loss and softmax - onehot (its forward writes the gradient)."""
+    from moetrain.kernels import cross_entropy_triton
+    from moetrain.nn.loss import _chunk_loss_and_grad
+
     rows = min(CE_CHUNK, s.T)
     logits = rand(rows, s.V, device=device, scale=2.0)
     targets = torch.randint(0, s.V, (rows,), device=device)
-    ce_twin = compile_twin(_chunk_loss_and_grad)
-    out.append(Case("cross_entropy (one chunk)", "logsumexp + softmax - onehot, compiled",
-                    math.ceil(s.T / CE_CHUNK),
-                    lambda: cross_entropy_triton.chunk_loss_and_grad_triton(logits, targets, 1e-4),
-                    lambda: ce_twin(logits, targets, 1e-4)))  # fmt: skip
-    out += optimizer_cases(s, device)
-    out += fp8_cases(s, device, L)
-    return out
+    twin = compile_twin(_chunk_loss_and_grad)
+    return [Case("cross_entropy (one chunk)", "logsumexp + softmax - onehot, compiled",
+                 math.ceil(s.T / CE_CHUNK),
+                 lambda: cross_entropy_triton.chunk_loss_and_grad_triton(logits, targets, 1e-4),
+                 lambda: twin(logits, targets, 1e-4))]  # fmt: skip
 
 
 def preset_tensors(s: Shapes, device, dtype=torch.bfloat16) -> tuple[list[torch.Tensor], float]:
@@ -196,10 +200,10 @@ def preset_tensors(s: Shapes, device, dtype=torch.bfloat16) -> tuple[list[torch.
     return [rand(*shape, dtype=dtype, device=device, scale=1e-2) for shape in kept], total / n
 
 
-def optimizer_cases(s: Shapes, device) -> list[Case]:
-    """AdamW's update (mixed: bf16 parameters, fp32 masters and moments), the gradient norm and
-    the fp32 gradient accumulation, each over the preset's parameters (times scaled past
-    OPTIMIZER_ELEMENTS)."""
+def adamw_cases(s: Shapes, device, compile_twin) -> list[Case]:
+    """AdamW's update over the preset's parameters (mixed: bf16 parameters, fp32 masters and
+    moments): optim/adamw.py with the Triton kernel against it with torch's fused AdamW."""
+    from moetrain.kernels import adamw_triton  # noqa: F401 - the case goes with the kernel
     from moetrain.optim.adamw import AdamW
 
     grads, factor = preset_tensors(s, device)
@@ -215,24 +219,41 @@ def optimizer_cases(s: Shapes, device) -> list[Case]:
                     norm_fn=lambda: zero.float(), kernel=kernel)  # fmt: skip
         return lambda: opt._update(1e-3, zero, None)
 
-    bufs = [torch.empty_like(g, dtype=torch.float32) for g in grads]
-    norm = lambda ts: torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).square().sum()  # noqa: E731
-    return [
-        Case("adamw (one launch per group)", "torch fused AdamW + casts to the fp32 masters", 1,
-             update("triton"), update("torch"), scale=factor),
-        Case("sum_of_squares (gradient norm)", "torch._foreach_norm", 1,
-             lambda: sum_of_squares_triton.multi_tensor_sum_of_squares(grads),
-             lambda: norm(grads), scale=factor),
-        Case("accumulate (each micro-batch beyond one; the presets run one)",
-             "fp32 buffer add_ of the bf16 .grad", 1,
-             lambda: [accumulate_triton.accumulate_(b, g, False) for b, g in zip(bufs, grads, strict=True)],
-             lambda: [b.add_(g) for b, g in zip(bufs, grads, strict=True)], scale=factor),
-    ]  # fmt: skip
+    return [Case("adamw (one launch per group)", "torch fused AdamW + casts to the fp32 masters",
+                 1, update("triton"), update("torch"), scale=factor)]  # fmt: skip
 
 
-def fp8_cases(s: Shapes, device, L: int) -> list[Case]:
+def sum_of_squares_cases(s: Shapes, device, compile_twin) -> list[Case]:
+    """The gradient norm's sum of squares over the preset's bf16 gradients."""
+    from moetrain.kernels import sum_of_squares_triton
+
+    grads, factor = preset_tensors(s, device)
+
+    def twin():
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+
+    return [Case("sum_of_squares (gradient norm)", "torch._foreach_norm", 1,
+                 lambda: sum_of_squares_triton.multi_tensor_sum_of_squares(grads), twin,
+                 scale=factor)]  # fmt: skip
+
+
+def accumulate_cases(s: Shapes, device, compile_twin) -> list[Case]:
+    """One micro-batch's bf16 gradients added into the fp32 buffers."""
+    from moetrain.kernels import accumulate_triton
+
+    grads, factor = preset_tensors(s, device)
+    pairs = [(torch.empty_like(g, dtype=torch.float32), g) for g in grads]
+    return [Case("accumulate (each micro-batch beyond one; the presets run one)",
+                 "fp32 buffer add_ of the bf16 .grad", 1,
+                 lambda: [accumulate_triton.accumulate_(b, g, False) for b, g in pairs],
+                 lambda: [b.add_(g) for b, g in pairs], scale=factor)]  # fmt: skip
+
+
+def fp8_cases(s: Shapes, device, compile_twin) -> list[Case]:
     """The FP8 experts' quantizations (precision.experts=fp8_rowwise), inside an opaque op: the
     twin is eager torch."""
+    from moetrain.kernels import quant, quant_triton, swiglu, swiglu_triton
+
     x = rand(s.T, s.D, device=device)
     g = rand(s.N, s.D, device=device)
     w_up, w_down = rand(s.E, s.D, 2 * s.F, device=device), rand(s.E, s.F, s.D, device=device)
@@ -254,6 +275,7 @@ def fp8_cases(s: Shapes, device, L: int) -> list[Case]:
         quant.quantize_fp8_rowwise(dh)
         swiglu.swiglu_reference(h, w_N)
 
+    L = s.layers
     return [
         Case("quant rows (FP8)", "eager quantize_fp8_rowwise", L, rows_kernel, rows_twin),
         Case("quant columns, transposed (FP8 weights)", "eager quantize of w.mT", L,
@@ -264,6 +286,21 @@ def fp8_cases(s: Shapes, device, L: int) -> list[Case]:
                       swiglu_triton.swiglu_fp8_backward_triton(h, ga, w_N)),
              swiglu_fp8_twin),
     ]  # fmt: skip
+
+
+# One builder per kernel, each importing what it times: a deleted kernel's builder is skipped.
+BUILDERS = [topk_cases, gather_cases, swiglu_cases, qk_norm_rope_cases, cross_entropy_cases,
+            adamw_cases, sum_of_squares_cases, accumulate_cases, fp8_cases]  # fmt: skip
+
+
+def cases(s: Shapes, device, compile_twin) -> list[Case]:
+    out = []
+    for build in BUILDERS:
+        try:
+            out += build(s, device, compile_twin)
+        except ModuleNotFoundError as e:
+            print(f"{build.__name__}: skipped ({e})", flush=True)
+    return out
 
 
 def time_case(case: Case, reps: int) -> tuple[float, float]:
@@ -315,7 +352,9 @@ def main() -> None:
             raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment")
         device, compile_twin, args.reps = torch.device("cpu"), (lambda fn: fn), 1
     else:
-        if not (torch.cuda.is_available() and swiglu_triton.triton_available()):
+        from moetrain.kernels.triton_support import triton_available
+
+        if not (torch.cuda.is_available() and triton_available()):
             raise SystemExit("kernel_gains: needs a CUDA GPU and Triton (or --smoke)")
         device = torch.device("cuda")
         torch._dynamo.config.cache_size_limit = 64
