@@ -293,14 +293,15 @@ BUILDERS = [topk_cases, gather_cases, swiglu_cases, qk_norm_rope_cases, cross_en
             adamw_cases, sum_of_squares_cases, accumulate_cases, fp8_cases]  # fmt: skip
 
 
-def cases(s: Shapes, device, compile_twin) -> list[Case]:
-    out = []
-    for build in BUILDERS:
-        try:
-            out += build(s, device, compile_twin)
-        except ImportError as e:  # the kernel module was deleted
-            print(f"{build.__name__}: skipped ({e})", flush=True)
-    return out
+def built(build, s: Shapes, device, compile_twin) -> list[Case]:
+    """build's cases, or none (said why) when its kernel was deleted or it fails."""
+    try:
+        return build(s, device, compile_twin)
+    except ImportError as e:  # the kernel module was deleted
+        print(f"{build.__name__}: skipped ({e})", flush=True)
+    except Exception as e:  # noqa: BLE001 - one failing case must not cost the others
+        print(f"{build.__name__} on {s.name}: failed ({type(e).__name__}: {e})"[:400], flush=True)
+    return []
 
 
 def time_case(case: Case, reps: int) -> tuple[float, float]:
@@ -370,19 +371,25 @@ def main() -> None:
     for preset in args.presets.split(","):
         if args.measure_steps and not args.smoke:
             step_ms[preset] = measure_step(preset)
-        for case in cases(Shapes(preset, args.smoke), device, compile_twin):
-            kernel, twin = time_case(case, args.reps)
-            gain = (twin - kernel) * case.calls
-            row = dict(preset=preset, kernel=case.kernel, replaces=case.replaces,
-                       kernel_ms=kernel, twin_ms=twin, calls=case.calls, gain_ms=gain,
-                       step_ms=step_ms[preset], share_pct=100 * gain / step_ms[preset])  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        shapes = Shapes(preset, args.smoke)
+        for build in BUILDERS:  # one builder's tensors at a time
+            for case in built(build, shapes, device, compile_twin):
+                try:
+                    kernel, twin = time_case(case, args.reps)
+                except Exception as e:  # noqa: BLE001
+                    print(f"{case.kernel} on {preset}: failed ({type(e).__name__}: {e})"[:400])
+                    continue
+                gain = (twin - kernel) * case.calls
+                row = dict(preset=preset, kernel=case.kernel, replaces=case.replaces,
+                           kernel_ms=kernel, twin_ms=twin, calls=case.calls, gain_ms=gain,
+                           step_ms=step_ms[preset], share_pct=100 * gain / step_ms[preset])  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     print(f"{time.perf_counter() - t0:.0f} s")
     print_table(rows)
 
