@@ -6,12 +6,18 @@ holds exactly this step's sum (nothing from the step before, zero for an unused 
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
 from moetrain.optim.grad_buckets import BucketedGrads, GradBucket, split_into_buckets
+from moetrain.optim.sharded import ShardedAdamW
+from moetrain.parallel.data import GradientSync
+from moetrain.presets import tiny
+from moetrain.train.trainer import Trainer
 
 
 class Recorder(BucketedGrads):
@@ -93,3 +99,33 @@ def test_launched_buckets_hold_this_steps_gradients_in_bucket_order(param_dtype,
         sync.end_step()
         for p in params:
             p.grad = None  # the optimizers' zero_grad
+
+
+# A Trainer's optimizer and gradient sync are freed with it: their hooks stay on the parameters
+# but hold them weakly. Before, the ShardedAdamW and the GradientSync of every Trainer built in
+# one process stayed alive, with their buffers.
+@pytest.mark.parametrize(
+    "overrides,kind",
+    [
+        (["train.optimizer=sharded"], ShardedAdamW),
+        # two micro-batches in bf16: fp32 gradient buffers in a GradientSync
+        (["precision.param_dtype=bf16", "train.global_batch_tokens=512"], GradientSync),
+    ],
+    ids=["sharded", "grad-sync"],
+)
+def test_a_trainer_and_its_gradient_owners_are_freed(tmp_path, overrides, kind):
+    config = tiny().with_overrides(
+        [*overrides, "train.seq_len=64", "train.micro_batch_size=4", "parallel.compile=false"]
+    )
+    trainer = Trainer(config, tmp_path, device="cpu", progress=False)
+    it = iter(trainer.train_loader)
+    trainer.train_step(it)
+    owner = trainer.optimizer if kind is ShardedAdamW else trainer.optimizer.grad_sync
+    assert isinstance(owner, kind)
+    param = next(trainer.model.parameters())
+    assert param._post_accumulate_grad_hooks  # the hooks are there, on a parameter kept below
+    owner_ref, model_ref = weakref.ref(owner), weakref.ref(trainer.model)
+    trainer.metrics.close()
+    del trainer, it, owner
+    gc.collect()
+    assert model_ref() is None and owner_ref() is None
