@@ -5,7 +5,7 @@
 
 1. Attention alone (forward + backward, bf16, small's shape: B 8, 16 heads, S 2048, H 64):
    cuDNN's causal SDPA (the plain step's kernel) against FlexAttention with the document block
-   mask (moetrain.nn.documents), for rows of one document and of documents of mean length 2048,
+   mask (moetrain.nn.document_mask), for rows of one document and of documents of mean length 2048,
    1024, 512 and 256 (EOS at rate 1 / L: geometric lengths), CUDA-event medians.
 2. Whole steps of the preset as `moetrain bench` builds them (bf16-adamw, CUDA graph), fed
    random ids with EOS at rate 1 / --mean-doc-len: plain causal, document masking, and document
@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moetrain.bench.harness import warmed_trainer
 from moetrain.bench.timing import time_steps
-from moetrain.nn.documents import DocumentMask
+from moetrain.nn.document_mask import DocumentMask
 from moetrain.presets import get_preset
 
 EOS = 7

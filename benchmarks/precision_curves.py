@@ -6,8 +6,8 @@
     python benchmarks/precision_curves.py --plot A.json B.json ... --png OUT.png
 
 A recipe is a `precision.experts` value, optionally with any of "+fp8_dispatch"
-(precision.dispatch=fp8), "+fp8_linear" (precision.linear=fp8_rowwise), "+fp8_head"
-(precision.lm_head=fp8_rowwise) and "+fp8_wgrad" (precision.fp8_expert_weight_grad=true).
+(precision.dispatch=fp8), "+fp8_linear" (precision.linear=fp8_rowwise), and "+fp8_head"
+(precision.lm_head=fp8_rowwise).
 On CPU the FP8 and MXFP8 recipes run as emulations (quantize, dequantize, higher-precision math),
 which reproduce their numerics, not their speed. Prints a markdown table of the final training
 and validation losses and their difference to the unquantized run.
@@ -50,7 +50,6 @@ def main() -> None:
                 f"precision.dispatch={'fp8' if 'fp8_dispatch' in extras else 'bf16'}",
                 f"precision.linear={'fp8_rowwise' if 'fp8_linear' in extras else 'bf16'}",
                 f"precision.lm_head={'fp8_rowwise' if 'fp8_head' in extras else 'bf16'}",
-                f"precision.fp8_expert_weight_grad={str('fp8_wgrad' in extras).lower()}",
                 f"train.log_every={args.log_every}",
                 f"train.eval_every={args.steps}",
                 "train.checkpoint_every=0",

@@ -12,7 +12,7 @@ fi
 if [[ ${PART:-1} == 2 ]]; then
   python3 -m moetrain bench --sweep --optimizer bf16-adamw --json "$OUT/sweep.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
   python3 -m moetrain bench --preset olmoe8 --optimizer mixed --set precision.experts=fp8_rowwise --json "$OUT/olmoe8_fp8.json" --results-md "$R" 2>&1 | grep -v Warn | tail -5
-  timeout 120 python3 benchmarks/fp8_gemm_bench.py 2>&1 | tail -20 | tee "$OUT/fp8_gemm.txt"
+  timeout 300 python3 benchmarks/fp8_training.py --parts kernels 2>&1 | tee "$OUT/fp8_kernels.txt"
 fi
 if [[ ${PART:-1} == 3 ]]; then  # low precision: step time by recipe, then loss curves
   for p in "" "--set precision.experts=fp8_rowwise" "--set precision.experts=fp8_rowwise --set precision.dispatch=fp8"; do
@@ -20,13 +20,8 @@ if [[ ${PART:-1} == 3 ]]; then  # low precision: step time by recipe, then loss 
   done
   python3 benchmarks/precision_curves.py --preset demo --steps 300 --set parallel.compile=false 2>&1 | grep -v "^note" | tee "$OUT/curves.txt"
 fi
-if [[ ${PART:-1} == 4 ]]; then  # memory-bound kernels against the torch code they replace; GEMM shapes
-  python3 benchmarks/gather_bench.py 2>&1 | tee "$OUT/gather_bench.txt"
-  python3 benchmarks/adamw_bench.py 2>&1 | tee "$OUT/adamw_bench.txt"
-  python3 benchmarks/swiglu_bench.py 2>&1 | tee "$OUT/swiglu_bench.txt"
-  python3 benchmarks/ce_bench.py 2>&1 | tee "$OUT/ce_bench.txt"
-  python3 benchmarks/qk_norm_rope_bench.py 2>&1 | tee "$OUT/qk_norm_rope_bench.txt"
-  python3 benchmarks/gemm_bench.py --preset small --preset scale-E8 --preset scale-E128 2>&1 | tee "$OUT/gemm_bench.txt"
+if [[ ${PART:-1} == 4 ]]; then  # each Triton kernel against its twin, as a share of each preset's step
+  python3 benchmarks/kernel_gains.py --json "$OUT/kernel_gains.jsonl" 2>&1 | tee "$OUT/kernel_gains.txt"
 fi
 if [[ ${PART:-1} == 5 ]]; then  # single-GPU options on small, one at a time against the default
   for s in train.cuda_graph=false model.attention_backend=flash \

@@ -281,7 +281,7 @@ class DataConfig:
     # `moetrain prepare --val-fraction`, so with path or sources it must be None or that value
     val_fraction: float | None = None
     random_tokens: bool = False  # uniform random token ids (benchmarks only)
-    # attention stays within the documents of a packed sequence (EOS-separated; nn/documents.py)
+    # attention stays within the documents of a packed sequence (EOS-separated; nn/document_mask.py)
     document_masking: bool = False
     # with document_masking: RoPE positions count from 0 at each document start
     reset_positions: bool = False
@@ -340,20 +340,11 @@ class PrecisionConfig:
     # over ranks (fp32: Megatron's main_grad, FSDP2's reduce dtype); fp32 parameters: fp32
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
     # FP8 products (experts, linears) accumulate without CUTLASS's periodic promotion to fp32:
-    # up to 2.7x faster on the H200, a little less precise (benchmarks/RESULTS.md, session 13)
+    # faster, a little less precise; false selects the precise kernels
     fp8_fast_accum: bool = True
-    # with experts=fp8_rowwise: the experts' weight gradients in FP8 too (groups padded to
-    # multiples of 16 in transposed copies of the operands; moe/fp8_weight_grad.py)
-    fp8_expert_weight_grad: bool = False
 
     def __post_init__(self) -> None:
         s = "precision"
-        if self.fp8_expert_weight_grad and self.experts != "fp8_rowwise":
-            fail(
-                "precision.fp8_expert_weight_grad",
-                True,
-                f"needs precision.experts=fp8_rowwise (got {self.experts!r})",
-            )
         _choice(s, self, "param_dtype", ("auto", "fp32", "bf16"))
         _choice(s, self, "grad_dtype", ("fp32", "bf16"))
         _choice(s, self, "experts", ("bf16", "fp8_rowwise", "mxfp8"))

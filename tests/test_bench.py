@@ -75,7 +75,7 @@ def test_kernel_names_map_to_phases():
     assert classify("_ce_rows_kernel") == "loss (softmax, logsumexp)"
     assert classify("_qk_norm_rope_backward_kernel") == "norms, activations, elementwise"
     assert classify("_sum_of_squares_kernel") == "optimizer"
-    for quantizer in ("_column_kernel", "_rowwise_kernel", "_group_columns_kernel"):
+    for quantizer in ("_column_kernel", "_rowwise_kernel"):
         assert classify(quantizer) == "FP8 conversions"
     assert classify("something_new") == "other"
 

@@ -50,13 +50,16 @@ def test_triton_adamw_kernel_is_for_the_replicated_optimizer():
     tiny().with_overrides(["train.optimizer=sharded", "train.adamw_kernel=auto"])  # fine
 
 
-def test_fp8_expert_weight_grad_needs_fp8_experts():
-    with pytest.raises(ValueError, match=r"fp8_expert_weight_grad.*experts=fp8_rowwise.*mxfp8"):
-        tiny().with_overrides(["precision.experts=mxfp8", "precision.fp8_expert_weight_grad=true"])
-    config = tiny().with_overrides(
-        ["precision.experts=fp8_rowwise", "precision.fp8_expert_weight_grad=true"]
-    )
-    assert config.precision.fp8_expert_weight_grad
+def test_a_removed_field_set_true_says_why_and_false_is_accepted():
+    """An older run's config.yaml (false) still loads; true names the field and why it went."""
+    from moetrain.config import layer
+
+    why = r"precision\.fp8_expert_weight_grad \(True\) was removed: .*slower"
+    with pytest.raises(ValueError, match=why):
+        tiny().with_overrides(["precision.fp8_expert_weight_grad=true"])
+    with pytest.raises(ValueError, match=why):
+        layer(tiny(), {"precision": {"fp8_expert_weight_grad": True}})
+    assert layer(tiny(), {"precision": {"fp8_expert_weight_grad": False}}) == tiny()
 
 
 def test_no_sync_needs_a_capacity_factor():

@@ -218,8 +218,8 @@ def check(config: RunConfig, calibration: cal.Calibration, **bench_kw) -> Check:
     (`bench_kw`: steps, warmup, device) in mixed precision. Memory: with ShardedAdamW (flat bf16
     parameters, fp32 gradient buckets, master weights and moments), the optimizer the planner's
     memory model holds. Time: with the replicated AdamW, whose step is CUDA-graphed like the
-    planner's time model assumes (it has no host launch term; ZeRO-1 is not graphed, and on
-    `small` its eager step measured 22% over the model, session 11)."""
+    planner's time model assumes (it has no host launch term; ZeRO-1 is not graphed, and its
+    eager step measured well over the model)."""
     from moetrain.bench import harness
 
     optimizer = CHECK_OPTIMIZER

@@ -1,8 +1,8 @@
 """The GPU's clock and power while a system's timed steps run, sampled through NVML.
 
 Why: a step that keeps the tensor cores busy enough reaches the board's power limit, and the
-driver then lowers the SM clock (on the H200, 700 W: `small` fell from 1980 to 1670-1790 MHz
-while Hugging Face's half-idle steps kept 1980; benchmarks/RESULTS.md, session 8). Two systems
+driver then lowers the SM clock, while a system whose steps leave the GPU half idle keeps its
+full clock. Two systems
 compared in one job can so run at different clocks, and a step time means little without the
 clock it ran at. `GpuStateSampler` polls on a background thread (NVML calls are host-only and
 do not touch the GPU's queue) and summarizes: median and lowest SM clock, mean and highest

@@ -17,8 +17,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("optimizer", ("adam", "foreach", "multi_tensor", "_sum_of_squares")),
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")),
     ("expert GEMMs", ("grouped", "group_gemm", "groupedgemm", "groupproblemshape")),
-    # moetrain's Triton quantizers (kernels/quant_triton.py, quant_groups_triton.py) and torch's
-    # float8 casts
+    # moetrain's Triton quantizers (kernels/quant_triton.py) and torch's float8 casts
     (
         "FP8 conversions",
         (
@@ -26,7 +25,6 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
             "_column_kernel",
             "_column_amax",
             "_column_cast",
-            "_group_columns",
             "_mxfp8",
             "float8",
         ),

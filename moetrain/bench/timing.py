@@ -106,7 +106,7 @@ def sustained_matmul(
 ) -> dict | None:
     """The BF16 n^3 product repeated back to back for at least `seconds`, timed in chunks of
     `chunk` products, with the GPU's clock and power sampled (bench/gpu_state.py). The short
-    reference (`matmul_tflops`, 14 ms of work on an H200) never reaches a 700 W power limit;
+    reference (`matmul_tflops`, milliseconds of work) never reaches the board's power limit;
     training steps do, and this is the rate the GPU sustains there. Returns TFLOP/s over the run
     and over its second half, the seconds run and the GPU's state; None off CUDA."""
     from moetrain.bench.gpu_state import GpuStateSampler, nvml_reader

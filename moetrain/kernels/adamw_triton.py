@@ -2,9 +2,10 @@
 
 AdamW does a handful of flops per element and moves 14 to 28 bytes, so its floor is the memory
 traffic: read grad, param (or fp32 master), m and v once, write them once. torch's fused AdamW
-reaches about half of that on our parameter sets; this kernel covers every tensor of a call
-(one dtype signature, one set of hyper-parameters) with a single launch whose programs each update
-one chunk of BLOCK elements of one tensor.
+reaches about half of that on our parameter sets (and with fp32 masters needs the gradients cast
+first); this kernel covers every tensor of a call (one dtype signature, one set of
+hyper-parameters) with a single launch whose programs each update one chunk of BLOCK elements of
+one tensor.
 
 - Tables: a cached chunk table (tensor index and first element of each program's chunk, plus each
   tensor's numel) depends only on the numels and BLOCK. The data pointers change every step
@@ -16,25 +17,18 @@ one chunk of BLOCK elements of one tensor.
   it with `tl.multiple_of`, and whole chunks run without an element mask: only each tensor's last
   chunk is masked. The default block gives each thread one 16-byte vector of each state tensor
   at 4 warps (1024 elements with bf16 states, 512 with fp32): small programs, many resident per
-  SM, hide each program's fixed start (its table loads). On the H200 (`small`'s 0.94B
-  parameters, `benchmarks/adamw_bench.py --quick`) 4 warps took bf16 states from 4.66 to 3.83 ms
-  against 8 warps with the same bytes a thread; larger blocks (2048-8192) were slower still.
+  SM, hide each program's fixed start (its table loads).
 - Per-step scalars: the bias corrections 1 - beta**step come from the device step counter in
   fp64 (in fp32, 1 - 0.999**1 loses three digits to cancellation; torch uses double there too),
   and so do the step size lr / bc1 and the decay factor 1 - lr * wd. A one-program prologue
   kernel computes them once a launch, rounded to fp32, into a 3-float buffer every program
-  loads. Computed by each program instead (software fp64 exp2, division and square root, ~10^6
-  programs), they cost 0.1 ms of `small`'s 3.7 (benchmarks/RESULTS.md, session 6; bitwise the
-  same results). Python floats reach a Triton kernel as fp32, so the doubles the prologue needs
-  (lr, wd, log2 beta) travel as hi/lo fp32 pairs.
+  loads, rather than every program in software fp64. Python floats reach a Triton kernel as fp32,
+  so the doubles the prologue needs (lr, wd, log2 beta) travel as hi/lo fp32 pairs.
 - Precision: the per-element math is fp32 in the order of the reference (and of torch's
   single-tensor AdamW), with no multiply-add contraction, but with the hardware's square root
-  and division (`tl.sqrt`, `/`: within 2 fp32 ulps) instead of IEEE-rounded ones. The IEEE
-  sequences made the kernel issue-bound rather than memory-bound: on `small`'s parameters 3.60
-  -> 3.18 ms with bf16 states (3.7 -> 4.2 TB/s of floor traffic; 0.004% of the elements one bf16
-  ulp away from the IEEE result), 6.48 -> 6.31 ms with fp32 states and masters (a few % of the
-  masters an fp32 ulp away). The tests hold the kernel to the reference within one bf16 ulp, or
-  an fp32 relative 1e-6.
+  and division (`tl.sqrt`, `/`: within 2 fp32 ulps) instead of IEEE-rounded ones, whose longer
+  sequences made the kernel issue-bound rather than memory-bound. The tests hold the kernel to
+  the reference within one bf16 ulp, or an fp32 relative 1e-6.
 - `found_inf` (nonzero: skip the step) is read on the device; a skipped step reads and writes
   nothing. The caller advances the device step counter only on steps that count, before the
   call: `step += 1 - found_inf`.

@@ -7,27 +7,18 @@ scalar) and a new gradient scale * (softmax - onehot) in the logits' dtype.
 Design: one program of 32 warps per row. Pass 1 reads the row once for its logsumexp and the
 target's logit, pass 2 reads it again and writes the gradient. Pass 2 costs no DRAM read only if
 its row is still in L2, so what matters is how many rows are in flight: a 1024-thread program
-leaves room for at most two per SM (2048 threads; one above 32 registers a thread), 132-264 rows
-x 100 KB = 13-26 MB, inside the H200's 50 MB L2, while 8192-column blocks (8 bf16 = one 16-byte
-load a thread) still keep enough bytes in flight. Programs of 4-8 warps put 8-16 rows per SM in
-flight, more than L2 holds (0.32-0.37 ms). The hardware's block scheduler walks the rows in waves,
-so an explicit persistent loop adds nothing. L2 eviction hints (`hints`: evict_last on the first
-read, evict_first on the second read and the writes) keep the rows waiting for pass 2 there.
-
-Measured (benchmarks/ce_bench.py, 4096 x 50304 bf16 on an H200): 0.304 ms (64.6% of one read and
-one write at 4.2 TB/s), against 0.465 ms for the compiled torch chunk and 0.195 ms for a device
-copy of the chunk (the floor); in the `small` training step, four chunks took 1.26 ms against
-1.85 ms for the compiled torch chunk. What lost: programs_per_sm x SMs programs looping over the rows
-(0.311 ms); the vocabulary split over 4-16 programs per row in two kernels (0.322 ms); writing the
-gradient in place over the logits (slower for every variant: 0.324 ms here); pipelined loads
-(stages 2-3: 0.41-0.44 ms); groups of 16 (0.315 ms).
+leaves room for at most two per SM, which keeps the rows in flight inside L2, while 8192-column
+blocks (8 bf16 = one 16-byte load a thread) still keep enough bytes in flight; programs of 4-8
+warps put more rows in flight than L2 holds. The hardware's block scheduler walks the rows in
+waves, so an explicit persistent loop adds nothing. L2 eviction hints (`hints`: evict_last on
+the first read, evict_first on the second read and the writes) keep the rows waiting for pass 2
+there.
 
 Kernel choices:
-- The exponential unit, not only memory, bounds this op (~4e12 exp/s on an H200: 0.05 ms per
-  exponential of each of the chunk's 206M elements). Each block is a [BLOCK // SUB, SUB] tile and
-  the online logsumexp keeps its running max and sum per SUB-element group (SUB = 8: one thread's
-  load), so the rescale exp(old max - new max) is paid once a group: 1.125 exponentials an
-  element in pass 1, one in pass 2.
+- The exponential unit, not only memory, bounds this op. Each block is a [BLOCK // SUB, SUB]
+  tile and the online logsumexp keeps its running max and sum per SUB-element group (SUB = 8:
+  one thread's load), so the rescale exp(old max - new max) is paid once a group: 1.125
+  exponentials an element in pass 1, one in pass 2.
 - Runtime loops over the vocabulary: the code does not grow with V.
 - Row offsets are int64 (C * V exceeds 2^31 for larger chunks); vocabulary tails are masked; a
   target outside [0, V) is not read and gives that row a NaN loss (a skipped step upstream).

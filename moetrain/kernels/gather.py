@@ -5,23 +5,20 @@ range(N): row n of the expert-ordered rows holds route order_N[n], i.e. token or
 slot order_N[n] % K. `inverse_TK` (int64, (T, K)) is its inverse: inverse_TK.view(-1)[order_N[n]]
 == n, so token t's k-th route sits in row inverse_TK[t, k].
 
-    rows_ND = gather_routes(x_TD, order_N, inverse_TK)             # rows[n] = x[order[n] // K]
-    out_TD = combine_routes(y_ND, order_N, inverse_TK, weights_TK)  # sum_k w[t, k] y[inverse[t, k]]
-    out_TD = sum_routes(y_ND, order_N, inverse_TK)                  # sum_k y[inverse[t, k]]
+    rows_ND = gather_routes(x_TD, order_N, inverse_TK)   # rows[n] = x[order[n] // K]
+    out_TD = sum_routes(y_ND, order_N, inverse_TK)        # sum_k y[inverse[t, k]]
 
-Both carry both permutations so that every backward is a gather too (no scatter, no atomics):
-- gather: grad_x[t] = sum_k grad_rows[inverse[t, k]], the unweighted combine;
-- combine: grad_y[n] = w_flat[order[n]] * g[order[n] // K] and
-  grad_w[t, k] = <y[inverse[t, k]], g[t]>, both computed row by row in one pass;
-- sum (the combine of rows the experts already weighted): grad_y[n] = g[order[n] // K], the gather.
-Sums over K and over D accumulate in float32 (at least), and come back in the rows' dtype; the
-weights are float32 router weights and their gradient is float32.
+Both carry both permutations so that each backward is the other op, a gather too (no scatter,
+no atomics): the gather's backward is grad_x[t] = sum_k grad_rows[inverse[t, k]], the sum's is
+grad_y[n] = g[order[n] // K]. The sum is the combine of rows the experts already weighted (the
+router weights go into the SwiGLU). Sums over K accumulate in float32 (at least), and come back
+in the rows' dtype.
 
 On CUDA with Triton installed the public functions run the Triton ops of `gather_triton` (no
 graph break under `torch.compile(fullgraph=True)`, near memory bandwidth); elsewhere they run the
-references, with the explicit backward formulas below (so both paths save the same tensors). The Triton ops walk tokens and need only
-`inverse_TK` (which must then be a permutation: rows no route maps to would be left unwritten);
-`order_N` is what the references and the row-order formulas above use.
+references, with the explicit backward formulas below (so both paths save the same tensors).
+The Triton ops walk tokens and need only `inverse_TK` (which must then be a permutation: rows no
+route maps to would be left unwritten); `order_N` is what the references use.
 """
 
 from __future__ import annotations
@@ -61,29 +58,6 @@ def weighted_sum_reference(y_TKD: torch.Tensor, weights_TK: torch.Tensor) -> tor
     return (y_TKD.to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_TKD.dtype)
 
 
-def combine_routes_reference(
-    y_ND: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor
-) -> torch.Tensor:
-    """out[t] = sum_k w[t, k] * y[inverse[t, k]], accumulated in float32, in y's dtype."""
-    return weighted_sum_reference(y_ND[inverse_TK], weights_TK)
-
-
-def combine_routes_backward_reference(
-    grad_TD: torch.Tensor, y_ND: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_y, grad_w) of `combine_routes` in row order: grad_y[n] = w_flat[order[n]] *
-    g[order[n] // K] (in y's dtype) and grad_w[t, k] = <y[inverse[t, k]], g[t]> (float32 sums, in
-    the weights' dtype). The dot products are taken row by row, then gathered back to (T, K)."""
-    acc = _acc_dtype(y_ND, weights_TK)
-    top_k = weights_TK.shape[1]
-    g_ND = grad_TD[order_N // top_k].to(acc)
-    grad_y = (weights_TK.reshape(-1)[order_N].to(acc).unsqueeze(-1) * g_ND).to(y_ND.dtype)
-    dot_N = (y_ND.to(acc) * g_ND).sum(-1)
-    grad_w = torch.empty_like(dot_N)
-    grad_w[order_N] = dot_N  # a permutation: every slot written once
-    return grad_y, grad_w.view(weights_TK.shape).to(weights_TK.dtype)
-
-
 # --- public, differentiable --------------------------------------------------------------------
 
 
@@ -100,19 +74,6 @@ class _GatherRoutesReference(torch.autograd.Function):
     def backward(ctx, grad_ND):  # type: ignore[override]
         (inverse_TK,) = ctx.saved_tensors
         return gather_routes_backward_reference(grad_ND.contiguous(), inverse_TK), None, None
-
-
-class _CombineRoutesReference(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_ND, order_N, inverse_TK, weights_TK):  # type: ignore[override]
-        ctx.save_for_backward(y_ND, order_N, weights_TK)
-        return combine_routes_reference(y_ND, order_N, inverse_TK, weights_TK)
-
-    @staticmethod
-    def backward(ctx, grad_TD):  # type: ignore[override]
-        y_ND, order_N, weights_TK = ctx.saved_tensors
-        grad_y, grad_w = combine_routes_backward_reference(grad_TD, y_ND, order_N, weights_TK)
-        return grad_y, None, None, grad_w
 
 
 class _SumRoutesReference(torch.autograd.Function):
@@ -138,16 +99,6 @@ def gather_routes(
     if _use_triton(x_TD):
         return gather_triton.gather_routes_triton(x_TD, inverse_TK)
     return _GatherRoutesReference.apply(x_TD, order_N, inverse_TK)
-
-
-def combine_routes(
-    y_ND: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor
-) -> torch.Tensor:
-    """Each token's K expert results weighted by its router weights and summed, in y's dtype."""
-    if _use_triton(y_ND):
-        weights_TK = weights_TK.to(torch.float32)  # the kernels read float32 weights
-        return gather_triton.combine_routes_triton(y_ND, inverse_TK, weights_TK)
-    return _CombineRoutesReference.apply(y_ND, order_N, inverse_TK, weights_TK)
 
 
 def sum_routes(y_ND: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:

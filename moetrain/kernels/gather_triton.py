@@ -6,18 +6,15 @@ row inverse_TK[t, k], a permutation of range(N) (semantics and plain-torch refer
 
 Two kernels, both walking tokens, cover the two ops and both backwards, because the forward of
 one op is the backward of the other:
-- `_sum_routes_kernel`: out[t] = sum_k w[t, k] * src[inverse[t, k]], fp32 accumulation. With
-  weights it is the combine forward; without, the gather backward.
-- `_spread_routes_kernel`: rows[inverse[t, k]] = w[t, k] * src[t] for every k, and optionally
-  dot[t, k] = <y[inverse[t, k]], src[t]>. Without weights it is the gather forward (a plain
-  copy); with weights and y, the whole combine backward in one pass: grad_y and grad_w.
+- `_sum_routes_kernel`: out[t] = sum_k src[inverse[t, k]], fp32 accumulation: the sum's forward
+  and the gather's backward.
+- `_spread_routes_kernel`: rows[inverse[t, k]] = src[t] for every k: the gather's forward and
+  the sum's backward (a plain copy).
 Walking tokens rather than rows reads each token's row (x, or the incoming gradient g) exactly
 once from memory and writes its K rows whole; the row-order formulation (rows[n] = x[order[n] //
-K], grad_y[n] = w * g[order[n] // K]) re-reads every token row K times through L2 and measured
-15-40% slower on an H200 (T = 16384, K = 8, D = 1024-2048, in a one-off comparison). The
-writes land at rows inverse[t, k]: a permutation, so every output element is written by exactly
-one program, with no atomics and deterministic results. The (T, K) weights and the grad_w dots
-are read and written in token order, i.e. contiguously.
+K]) re-reads every token row K times through L2. The writes land at rows inverse[t, k]: a
+permutation, so every output element is written by exactly one program, with no atomics and
+deterministic results.
 
 Each program takes BLOCK_R whole tokens: a row's columns are contiguous, so every load and store
 is a wide vector access; row offsets are int64 (N*D can exceed 2^31). Rows longer than BLOCK_D
@@ -51,11 +48,10 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @_jit
 def _sum_routes_kernel(
-    src_ptr, index_ptr, weight_ptr, dst_ptr, num_tokens, D,
-    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr,
+    src_ptr, index_ptr, dst_ptr, num_tokens, D, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_D_BLOCKS: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
-    """dst[t] = sum_k w[t, k] * src[index[t, k]] (w = 1 without weights) for BLOCK_R tokens t."""
+    """dst[t] = sum_k src[index[t, k]] for BLOCK_R tokens t."""
     tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     token_mask = tokens < num_tokens
     dst_start = tokens.to(tl.int64) * D
@@ -67,22 +63,16 @@ def _sum_routes_kernel(
         for k in tl.static_range(TOP_K):
             row = tl.load(index_ptr + tokens * TOP_K + k, mask=token_mask, other=0).to(tl.int64)
             v = tl.load(src_ptr + row[:, None] * D + c[None, :], mask=mask, other=0.0)
-            v = v.to(tl.float32)
-            if HAS_WEIGHTS:
-                w = tl.load(weight_ptr + tokens * TOP_K + k, mask=token_mask, other=0.0)
-                v = v * w[:, None]
-            acc += v
+            acc += v.to(tl.float32)
         tl.store(dst_ptr + dst_start[:, None] + c[None, :], acc.to(dst_ptr.dtype.element_ty), mask)
 
 
 @_jit
 def _spread_routes_kernel(
-    src_ptr, index_ptr, weight_ptr, y_ptr, dst_ptr, dot_ptr, num_tokens, D,
-    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_Y: tl.constexpr, BLOCK_R: tl.constexpr,
+    src_ptr, index_ptr, dst_ptr, num_tokens, D, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_D_BLOCKS: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
-    """For BLOCK_R tokens t and every k, with n = index[t, k]: dst[n] = w[t, k] * src[t] (src[t]
-    itself without weights) and, with HAS_Y, dot[t, k] = sum_d y[n, d] * src[t, d] in fp32."""
+    """dst[index[t, k]] = src[t] for BLOCK_R tokens t and every k."""
     tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     token_mask = tokens < num_tokens
     src_start = tokens.to(tl.int64) * D
@@ -92,23 +82,12 @@ def _spread_routes_kernel(
         v = tl.load(src_ptr + src_start[:, None] + cols[None, :], mask=mask, other=0.0)
     for k in tl.static_range(TOP_K):
         row = tl.load(index_ptr + tokens * TOP_K + k, mask=token_mask, other=0).to(tl.int64)
-        if HAS_WEIGHTS:
-            w = tl.load(weight_ptr + tokens * TOP_K + k, mask=token_mask, other=0.0)
-        dot = tl.zeros([BLOCK_R], dtype=tl.float32)
         for db in tl.static_range(NUM_D_BLOCKS):
             c = db * BLOCK_D + cols
             if NUM_D_BLOCKS > 1:  # long rows: re-read per route, from L1/L2
                 mask = token_mask[:, None] if EVEN_D else token_mask[:, None] & (c[None, :] < D)
                 v = tl.load(src_ptr + src_start[:, None] + c[None, :], mask=mask, other=0.0)
-            out = v
-            if HAS_WEIGHTS:
-                out = (v.to(tl.float32) * w[:, None]).to(dst_ptr.dtype.element_ty)
-            tl.store(dst_ptr + row[:, None] * D + c[None, :], out, mask=mask)
-            if HAS_Y:
-                y = tl.load(y_ptr + row[:, None] * D + c[None, :], mask=mask, other=0.0)
-                dot += tl.sum(y.to(tl.float32) * v.to(tl.float32), axis=1)
-        if HAS_Y:
-            tl.store(dot_ptr + tokens * TOP_K + k, dot, mask=token_mask)
+            tl.store(dst_ptr + row[:, None] * D + c[None, :], v, mask=mask)
 
 
 # --- launches ----------------------------------------------------------------------------------
@@ -118,7 +97,7 @@ def launch_config(D: int, max_block_d: int = MAX_BLOCK_D, tile: int = 4096) -> d
     """The whole row in one block up to `max_block_d`, and enough tokens per program to fill a
     tile of `tile` elements (4 at D = 1024, 2 at 2048, 1 from 4096; more for short rows, so that
     a program still moves a useful amount). Four warps: on an H200 at D = 1024-2048 the choice of
-    1-4 tokens and 4-8 warps moved the times by a few percent at most (`gather_bench --sweep`)."""
+    1-4 tokens and 4-8 warps moved the times by a few percent at most."""
     block_d = min(triton.next_power_of_2(max(D, 1)), max_block_d)
     block_r = max(1, min(64, tile // block_d))
     return dict(
@@ -127,43 +106,34 @@ def launch_config(D: int, max_block_d: int = MAX_BLOCK_D, tile: int = 4096) -> d
     )  # fmt: skip
 
 
-def launch_sum_routes(src_ND, inverse_TK, weights_TK, out_TD, config=None, wrap=None):
-    """out_TD[t] = sum_k weights_TK[t, k] * src_ND[inverse_TK[t, k]] (weights may be None).
-    `wrap` is `wrap_triton` inside an op; the benchmark's sweep launches raw kernels."""
+def launch_sum_routes(src_ND, inverse_TK, out_TD, config=None, wrap=None):
+    """out_TD[t] = sum_k src_ND[inverse_TK[t, k]]. `wrap` is `wrap_triton` inside an op."""
     num_tokens, top_k = inverse_TK.shape
     cfg = dict(config or launch_config(src_ND.shape[1]))
     kernel = wrap(_sum_routes_kernel) if wrap else _sum_routes_kernel
-    w = out_TD if weights_TK is None else weights_TK  # a dummy pointer when unused
     kernel[(triton.cdiv(num_tokens, cfg["BLOCK_R"]),)](
-        src_ND, inverse_TK, w, out_TD, num_tokens, src_ND.shape[1],
-        TOP_K=top_k, HAS_WEIGHTS=weights_TK is not None, **cfg,
-    )  # fmt: skip
+        src_ND, inverse_TK, out_TD, num_tokens, src_ND.shape[1], TOP_K=top_k, **cfg
+    )
 
 
-def launch_spread_routes(src_TD, inverse_TK, weights_TK, y_ND, rows_ND, dot_TK, config=None, wrap=None):  # fmt: skip
-    """rows_ND[inverse_TK[t, k]] = weights_TK[t, k] * src_TD[t] (weights may be None) and, when
-    y_ND is given, dot_TK[t, k] = <y_ND[inverse_TK[t, k]], src_TD[t]>."""
+def launch_spread_routes(src_TD, inverse_TK, rows_ND, config=None, wrap=None):
+    """rows_ND[inverse_TK[t, k]] = src_TD[t] for every k."""
     num_tokens, top_k = inverse_TK.shape
     cfg = dict(config or launch_config(src_TD.shape[1]))
     kernel = wrap(_spread_routes_kernel) if wrap else _spread_routes_kernel
-    w = rows_ND if weights_TK is None else weights_TK  # dummy pointers when unused
-    y, dot = (rows_ND, rows_ND) if y_ND is None else (y_ND, dot_TK)
     kernel[(triton.cdiv(num_tokens, cfg["BLOCK_R"]),)](
-        src_TD, inverse_TK, w, y, rows_ND, dot, num_tokens, src_TD.shape[1],
-        TOP_K=top_k, HAS_WEIGHTS=weights_TK is not None, HAS_Y=y_ND is not None, **cfg,
-    )  # fmt: skip
+        src_TD, inverse_TK, rows_ND, num_tokens, src_TD.shape[1], TOP_K=top_k, **cfg
+    )
 
 
 # --- ops ---------------------------------------------------------------------------------------
 
 
-def _check(name: str, t: torch.Tensor, weights_TK: torch.Tensor | None = None) -> None:
+def _check(name: str, t: torch.Tensor) -> None:
     if t.device.type == "cpu" and not _interpreting():
         raise ValueError(f"{name}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1)")
     if t.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"{name}: rows must be bf16, fp16 or fp32, got {t.dtype}")
-    if weights_TK is not None and weights_TK.dtype != torch.float32:
-        raise TypeError(f"{name}: weights must be float32, got {weights_TK.dtype}")
 
 
 def _register_ops() -> None:
@@ -176,65 +146,32 @@ def _register_ops() -> None:
         x_TD, inverse_TK = x_TD.contiguous(), inverse_TK.contiguous()
         rows_ND = x_TD.new_empty((inverse_TK.numel(), x_TD.shape[1]))
         if rows_ND.numel():
-            launch_spread_routes(x_TD, inverse_TK, None, None, rows_ND, None, wrap=wrap_triton)
+            launch_spread_routes(x_TD, inverse_TK, rows_ND, wrap=wrap_triton)
         return rows_ND
 
     @triton_op("moetrain::sum_routes", mutates_args=())
-    def sum_routes(
-        y_ND: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor | None
-    ) -> torch.Tensor:
-        """out[t] = sum_k w[t, k] * y[inverse[t, k]], fp32 accumulation, in y's dtype."""
-        _check("sum_routes", y_ND, weights_TK)
+    def sum_routes(y_ND: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:
+        """out[t] = sum_k y[inverse[t, k]], fp32 accumulation, in y's dtype."""
+        _check("sum_routes", y_ND)
         y_ND, inverse_TK = y_ND.contiguous(), inverse_TK.contiguous()
-        weights_TK = None if weights_TK is None else weights_TK.contiguous()
         out_TD = y_ND.new_empty((inverse_TK.shape[0], y_ND.shape[1]))
         if out_TD.numel():
-            launch_sum_routes(y_ND, inverse_TK, weights_TK, out_TD, wrap=wrap_triton)
+            launch_sum_routes(y_ND, inverse_TK, out_TD, wrap=wrap_triton)
         return out_TD
 
-    @triton_op("moetrain::combine_routes_backward", mutates_args=())
-    def combine_routes_backward(
-        grad_TD: torch.Tensor, y_ND: torch.Tensor | None, inverse_TK: torch.Tensor,
-        weights_TK: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(grad_y, grad_w) of sum_routes with weights, in one pass; without y (the weights need
-        no gradient) grad_w comes back empty and the dot products are skipped."""
-        _check("combine_routes_backward", grad_TD, weights_TK)
-        grad_TD, inverse_TK = grad_TD.contiguous(), inverse_TK.contiguous()
-        weights_TK = weights_TK.contiguous()
-        y_ND = None if y_ND is None else y_ND.contiguous()
-        grad_y = grad_TD.new_empty((inverse_TK.numel(), grad_TD.shape[1]))
-        grad_w = weights_TK.new_empty(weights_TK.shape if y_ND is not None else (0,))
-        if grad_y.numel():
-            launch_spread_routes(grad_TD, inverse_TK, weights_TK, y_ND, grad_y, grad_w, wrap=wrap_triton)  # fmt: skip
-        elif y_ND is not None:
-            grad_w.zero_()  # D = 0: empty dot products
-        return grad_y, grad_w
-
-    def gather_setup(ctx, inputs, output):
+    def save_inverse(ctx, inputs, output):
         ctx.save_for_backward(inputs[1])
 
     def gather_backward(ctx, grad_ND):
         (inverse_TK,) = ctx.saved_tensors
-        return torch.ops.moetrain.sum_routes(grad_ND, inverse_TK, None), None
-
-    def sum_setup(ctx, inputs, output):
-        y_ND, inverse_TK, weights_TK = inputs
-        need_grad_w = weights_TK is not None and weights_TK.requires_grad
-        ctx.has_weights = weights_TK is not None
-        ctx.save_for_backward(inverse_TK, weights_TK, y_ND if need_grad_w else None)
+        return torch.ops.moetrain.sum_routes(grad_ND, inverse_TK), None
 
     def sum_backward(ctx, grad_TD):
-        inverse_TK, weights_TK, y_ND = ctx.saved_tensors
-        if not ctx.has_weights:  # the gather's backward: its twin op
-            return torch.ops.moetrain.gather_routes(grad_TD, inverse_TK), None, None
-        grad_y, grad_w = torch.ops.moetrain.combine_routes_backward(
-            grad_TD, y_ND, inverse_TK, weights_TK
-        )
-        return grad_y, None, grad_w if y_ND is not None else None
+        (inverse_TK,) = ctx.saved_tensors
+        return torch.ops.moetrain.gather_routes(grad_TD, inverse_TK), None
 
-    gather_routes.register_autograd(gather_backward, setup_context=gather_setup)
-    sum_routes.register_autograd(sum_backward, setup_context=sum_setup)
+    gather_routes.register_autograd(gather_backward, setup_context=save_inverse)
+    sum_routes.register_autograd(sum_backward, setup_context=save_inverse)
 
 
 if triton is not None:
@@ -252,17 +189,8 @@ def gather_routes_triton(x_TD: torch.Tensor, inverse_TK: torch.Tensor) -> torch.
     return torch.ops.moetrain.gather_routes(x_TD, inverse_TK)
 
 
-def combine_routes_triton(
-    y_ND: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor
-) -> torch.Tensor:
-    """out[t] = sum_k w[t, k] * y[inverse[t, k]], differentiable in y and in the float32 weights
-    (op `moetrain::sum_routes`)."""
-    _require_triton()
-    return torch.ops.moetrain.sum_routes(y_ND, inverse_TK, weights_TK)
-
-
 def sum_routes_triton(y_ND: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_k y[inverse[t, k]], differentiable in y (op `moetrain::sum_routes` without
-    weights; its backward is `moetrain::gather_routes`)."""
+    """out[t] = sum_k y[inverse[t, k]], differentiable in y (op `moetrain::sum_routes`; its
+    backward is `moetrain::gather_routes`)."""
     _require_triton()
-    return torch.ops.moetrain.sum_routes(y_ND, inverse_TK, None)
+    return torch.ops.moetrain.sum_routes(y_ND, inverse_TK)

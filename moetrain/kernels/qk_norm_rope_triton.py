@@ -20,19 +20,15 @@ and v contiguous; the k launch copies v's rows on the way, so SDPA sees three de
 backward writes the whole (M, D + 2 kv) gradient of the projection in its two launches (q's part,
 then k's and v's), so the one GEMM of the fused projection takes it with no `cat` in between.
 
-Inductor's version rounds q to bf16 between norm and RoPE and splits each direction into several
-kernels (58 us forward; 61 + 2 x 36 us backward per layer of `small`, M = 16384, D = 1024, bf16,
-on an H200). Each program here holds a 2-D tile of BLOCK_M rows x BLOCK_C pairs, whole rows up to
-MAX_D (TILE elements a tile, 16 a thread). The forward reads x once and writes y
-and the row's fp32 rstd (4 bytes an element for bf16: 67 MB, ~14 us at 4.8 TB/s for q at D =
-1024, as much again for k); the backward reads grad_y and x once and writes grad_x (6 bytes: 100
-MB, ~21 us each for q and k), walking TILES_PER_PROGRAM tiles with an fp32 grad_weight
-accumulator that lands in row p of a (P, D) buffer the op sums (2 MB; no atomics, deterministic).
-The tables (256 KB each at S = 2048) are re-read per head from L1/L2, not from memory. Measured
-in the `small` step on the H200 (separate q and k ops, session 4): 31 us forward and 37 us
-backward per tensor (about half of the bandwidth). A pair's columns are contiguous within a half
-head, so with H/2 a multiple of 8 loads and stores are 16-byte vectors. Row offsets are int64;
-pair tails (C not a power of two) are masked.
+The torch path (Inductor) rounds q to bf16 between norm and RoPE and splits each direction into
+several kernels. Each program here holds a 2-D tile of BLOCK_M rows x BLOCK_C pairs, whole rows
+up to MAX_D (TILE elements a tile, 16 a thread). The forward reads x once and writes y and the
+row's fp32 rstd; the backward reads grad_y and x once and writes grad_x, walking
+TILES_PER_PROGRAM tiles with an fp32 grad_weight accumulator that lands in row p of a (P, D)
+buffer the op sums (no atomics, deterministic). The tables are re-read per head from L1/L2, not
+from memory. A pair's columns are contiguous within a half head, so with H/2 a multiple of 8
+loads and stores are 16-byte vectors. Row offsets are int64; pair tails (C not a power of two)
+are masked.
 
 The kernels call no other jitted function (torch's mutation analysis of user kernels gives up on
 calls and would mark every argument as written). Autograd saves qkv, the weights, rstd and the
@@ -52,9 +48,8 @@ from moetrain.kernels.triton_support import triton_available as triton_available
 
 MAX_D = 8192  # longest row one program holds in registers; longer rows take the torch path
 TILE = 2048  # elements of a tensor a program holds at once: 16 a thread, ~90 registers on sm_90
-# The backward: one row of D = 1024 a tile, eight programs of four warps an SM. At `small`'s
-# shape on an H200 (benchmarks/qk_norm_rope_bench.py, session 5) 45.8 us against 54.0 for the
-# forward's tile at 16 warps an SM (kernel + partial sum).
+# The backward: one row of D = 1024 a tile, eight programs of four warps an SM (faster than the
+# forward's tile at 16 warps an SM, partial sum included).
 BACKWARD_TILE = 1024
 WARPS_PER_SM = 32
 _INTERPRETER_PROGRAMS = 2  # the interpreter runs programs in turn: two still test the partials

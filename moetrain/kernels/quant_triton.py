@@ -1,7 +1,8 @@
-"""Triton FP8 quantization kernels, bit-identical to the torch references in `quant`.
+"""Triton row-scaled FP8 quantization kernels, bit-identical to the torch references in `quant`.
 
 Each kernel reads its input once and writes the FP8 elements and the scales once: amax, scale
-and cast are fused per row block (row-scaled along the last dim, MXFP8 blocks of 32). Scaling
+and cast are fused per row block along the last dim. (MXFP8 has no kernel: its recipe is an
+emulation on every GPU we have, whose speed does not matter.) Scaling
 along any other dim (e.g. per-column scales of a (e, K, N) weight, dim=-2) runs two kernels: a
 split amax with an integer atomic max (exact and order-independent, since non-negative floats
 order like their bit patterns), then the cast.
@@ -24,14 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from moetrain.kernels.quant import (
-    AMAX_EPS,
-    E4M3_EMAX,
-    E8M0_MAX_FINITE,
-    E8M0_NAN,
-    FP8_E4M3_MAX,
-    MX_BLOCK,
-)
+from moetrain.kernels.quant import AMAX_EPS, FP8_E4M3_MAX
 from moetrain.kernels.triton_support import interpreting as _interpreting
 from moetrain.kernels.triton_support import jit as _jit
 from moetrain.kernels.triton_support import tl, triton
@@ -45,19 +39,15 @@ COLUMN_PROGRAMS_MIN = 256
 COLUMN_ROWS_MAX = 16384
 _GRID_Y_MAX = 65535
 # The one-pass kernel's tile (rows x columns of a step down the columns; a tile of at least M
-# rows holds the whole column block in registers: one read) and warps. Measured on the H200
-# (benchmarks/RESULTS.md, sessions 14-15) at M = 512-2048: 16 columns of all rows, 16-24% faster
-# than 64 x 64 tiles stepping down; 4 warps with the column blocks of a matrix launched side by
-# side (grid (column block, matrix)) another 8-20% (olmoe8's up projection 0.438 -> 0.359 ms).
+# rows holds the whole column block in registers: one read) and warps: at M = 512-2048, 16
+# columns of all rows beat 64 x 64 tiles stepping down, and 4 warps with the column blocks of a
+# matrix launched side by side (grid (column block, matrix)) beat one matrix at a time.
 COLUMN_TILE = (2048, 16, 4)
 
 # Kernels may only read globals that are constexpr.
 _constexpr = tl.constexpr if triton is not None else (lambda value: value)
 _EPS = _constexpr(AMAX_EPS)
 _FP8_MAX = _constexpr(FP8_E4M3_MAX)
-_ELEM_EMAX = _constexpr(E4M3_EMAX)
-_SCALE_MAX = _constexpr(E8M0_MAX_FINITE)
-_SCALE_NAN = _constexpr(E8M0_NAN)
 
 
 # --- kernels -----------------------------------------------------------------------------------
@@ -276,35 +266,6 @@ def _column_cast_kernel(
         tl.store(scale_ptr + batch * N + cols, scale, mask=col_mask)
 
 
-@_jit
-def _mxfp8_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    num_blocks,
-    BLOCKS_PER_PROGRAM: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SOFTWARE_CAST: tl.constexpr,
-):
-    """MXFP8 over a contiguous tensor seen as (num_blocks, BLOCK): one E8M0 scale per row."""
-    blocks = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
-    block_mask = blocks < num_blocks
-    offsets = blocks.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = block_mask[:, None]
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    is_nan = x != x
-    has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
-    amax = tl.max(tl.where(is_nan, 0.0, tl.abs(x)), axis=1)  # GPU max ignores NaN: tracked apart
-    nonfinite = has_nan | (amax == float("inf"))
-    exponent_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    scale = tl.minimum(tl.maximum(exponent_field - _ELEM_EMAX, 0), _SCALE_MAX)
-    inv = ((-scale + _SCALE_MAX) << 23).to(tl.float32, bitcast=True)  # 1 / 2^X = 2^(127 - s)
-    v = tl.where(nonfinite[:, None], float("nan"), x * inv[:, None])
-    _store_e4m3(q_ptr, offsets, v, mask, SOFTWARE_CAST)
-    scale = tl.where(nonfinite, _SCALE_NAN, scale)
-    tl.store(scale_ptr + blocks, scale.to(tl.uint8), mask=block_mask)
-
-
 # --- entry points ------------------------------------------------------------------------------
 
 
@@ -399,34 +360,5 @@ def quantize_fp8_rowwise_triton(
     _column_cast_kernel[grid](
         x, _q_arg(q, software_cast), scale, amax_bits, m, n,
         BLOCK_M=block_m, BLOCK_N=block_n, SOFTWARE_CAST=software_cast, TRANSPOSED=transposed,
-    )  # fmt: skip
-    return q, scale
-
-
-def quantize_mxfp8_triton(
-    x: torch.Tensor, block: int = MX_BLOCK, *, software_cast: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `quant.quantize_mxfp8` (E8M0 scales as uint8), bit for bit."""
-    _check_device(x)
-    if software_cast is None:
-        software_cast = _default_software_cast(x)
-    k = x.shape[-1]
-    if k % block != 0:
-        raise ValueError(
-            f"quantize_mxfp8: last dim {k} must be a multiple of the block size {block}"
-        )
-    if block & (block - 1):
-        raise ValueError(f"quantize_mxfp8_triton: block size {block} must be a power of two")
-    x = x.contiguous()
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((*x.shape[:-1], k // block), dtype=torch.uint8, device=x.device)
-    num_blocks = x.numel() // block
-    if num_blocks == 0:
-        return q, scale
-    blocks_per_program = max(1, 4096 // block)
-    grid = (triton.cdiv(num_blocks, blocks_per_program),)
-    _mxfp8_kernel[grid](
-        x, _q_arg(q, software_cast), scale, num_blocks,
-        BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK=block, SOFTWARE_CAST=software_cast,
     )  # fmt: skip
     return q, scale

@@ -5,7 +5,7 @@ h_N2F = [gate | up] on the last dim. The forward reads gate[n, j] and up[n, j] a
 out[n, j]; the backward reads gate, up and grad at (n, j) and writes dgate and dup there: each
 element is touched once, in fp32, rounded once at the store. Inductor's backward of
 `silu(gate) * up` instead writes the (N, 2F) gradient as a `cat` whose every element re-loads
-inputs of both halves (about 59% of bandwidth on an H200 at N = 131072, F = 512, bf16).
+inputs of both halves.
 
 Optional float32 row weights w_N (the router weights of the rows, which GroupedExperts applies
 here rather than after the down projection: exact, since that projection is linear) scale each
@@ -18,8 +18,7 @@ strides multiples of 16 (Triton specializes on it) every load and store is a 16-
 access, and no per-element division by F is needed to find a row (as a flat 1-D index over N*F
 would). Column tails (F not a multiple of BLOCK_F) are masked; row offsets are int64 (N*2F can
 exceed 2^31). Rows wider than a block give each column block's part of dw, which the op sums.
-Measured on an H200 (`benchmarks/swiglu_bench.py`, N = 131,072): the forward at 98-100% of copy
-bandwidth, the backward at ~90%. exp and the division are CUDA's fast approximations (a few fp32
+exp and the division are CUDA's fast approximations (a few fp32
 ulps), so results can differ from the references by one ulp of the output dtype. Registered like
 `gather_triton`: `triton_op` + `wrap_triton`, so `torch.compile(fullgraph=True)` traces the ops
 without a graph break; autograd through `register_autograd`, saving h (and w) alone. Without
@@ -142,8 +141,8 @@ def quantizing_config(F: int, tile: int = 2048, num_warps: int = 4) -> dict:
     """Whole rows a tile (fused FP8 quantization needs each row's amax): up to
     `MAX_QUANTIZED_F` columns, rows to fill `tile` elements. The backward keeps dgate and dup
     live until the row's amax is known and takes tiles of 1024 (`BACKWARD_QUANTIZING_TILE`).
-    Measured on the H200 at N = 131,072 (benchmarks/fp8_training.py --parts experts): forward
-    best at 2048 elements and four warps, backward at 1024 and four (F = 512 and 1024)."""
+    On the H200 at N = 131,072 and F = 512 and 1024 the forward was fastest at 2048 elements and
+    four warps, the backward at 1024 and four."""
     if F > MAX_QUANTIZED_F:
         raise ValueError(f"fused FP8 quantization takes rows of at most {MAX_QUANTIZED_F}, got {F}")
     block_f = triton.next_power_of_2(max(F, 1))

@@ -25,7 +25,7 @@ from torch import nn
 from moetrain.config import RunConfig
 from moetrain.moe.layer import MoELayer
 from moetrain.nn.attention import Attention
-from moetrain.nn.documents import DocumentMask
+from moetrain.nn.document_mask import DocumentMask
 from moetrain.nn.loss import chunked_linear_cross_entropy
 from moetrain.nn.mlp import SwiGLU
 from moetrain.nn.norm import RMSNorm

@@ -11,8 +11,9 @@ give the same result as weighting y, while the combine's backward needs no saved
 swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); a GEMM with a `swiglu_mlp` method
 (FP8 row-scaled) may take the whole MLP as one op instead, to fuse its quantizations into the
 SwiGLU kernels and to take the rows already in row-scaled FP8 from the dispatcher.
-`grouped_mm_reference` is the obvious loop over experts that tests compare against. Weights are indexed by global expert id minus `expert_offset`, so expert parallelism
-only changes which slice of experts a rank holds.
+`grouped_mm_reference` is the obvious loop over experts that tests compare against. Weights are
+indexed by global expert id minus `expert_offset`, so expert parallelism only changes which slice
+of experts a rank holds.
 """
 
 from __future__ import annotations
@@ -67,6 +68,37 @@ def grouped_mm(x_ND: torch.Tensor, w_eDF: torch.Tensor, offsets_e: torch.Tensor)
     if reason is not None:
         raise ValueError(f"grouped_mm: {reason}")
     return torch._grouped_mm(x_ND, w_eDF, offs=offsets_e)
+
+
+def check_grouped_inputs(
+    name: str, x_ND: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor
+) -> None:
+    """ValueError naming `name` unless x is (N, D), w (e, D, F) and offs int32 (e,). Shapes only:
+    host-known metadata, no device sync."""
+    if x_ND.dim() != 2 or w_eDF.dim() != 3 or x_ND.shape[1] != w_eDF.shape[1]:
+        raise ValueError(
+            f"{name}: expected x (N, D) and w (e, D, F), got {tuple(x_ND.shape)} and {tuple(w_eDF.shape)}"
+        )
+    if offs_e.dtype != torch.int32 or offs_e.shape != (w_eDF.shape[0],):
+        raise ValueError(
+            f"{name}: offs must be int32 of shape ({w_eDF.shape[0]},), got {offs_e.dtype} {tuple(offs_e.shape)}"
+        )
+
+
+def grouped_mm_weight_grad(
+    x_ND: torch.Tensor, g_NF: torch.Tensor, offs_e: torch.Tensor
+) -> torch.Tensor:
+    """(e, D, F): each group's sum over its rows of x^T g, the weight gradient of `grouped_mm`.
+    x.T is column-major, the layout whose jagged dim the CUDA kernel takes without alignment or
+    non-empty requirements; float64 takes a loop over the groups."""
+    if x_ND.dtype in _GROUPED_MM_DTYPES:
+        return torch._grouped_mm(x_ND.T, g_NF, offs=offs_e)
+    out_eDF = x_ND.new_zeros(offs_e.numel(), x_ND.shape[1], g_NF.shape[1])
+    start = 0
+    for expert, end in enumerate(offs_e.tolist()):
+        out_eDF[expert] = x_ND[start:end].T @ g_NF[start:end]
+        start = end
+    return out_eDF
 
 
 class GroupedExperts(nn.Module):

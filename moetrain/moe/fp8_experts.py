@@ -11,9 +11,7 @@ backward:
     dh_N2F = swiglu backward          the SwiGLU backward kernel also writes dh's rows in FP8,
                                       and a again in bf16 (for gw_down)
     gx_ND = dh_N2F @ w_up^T           FP8
-    gw_up = x^T dh, gw_down = a^T gy  bf16 (`torch._grouped_mm`), or with `fp8_weight_grad`
-                                      FP8 (moe/fp8_weight_grad.py: dh's and gy's FP8 rows
-                                      transposed, their row scales moved onto x and a)
+    gw_up = x^T dh, gw_down = a^T gy  bf16 (`torch._grouped_mm`)
 
 Composed of per-product ops (`fp8_grouped_mm` twice around `swiglu`), the SwiGLU output and its
 gradient would each be written in bf16 and read back by a separate quantization pass: the
@@ -24,22 +22,52 @@ equal that composition (bit for bit in the CPU emulation; on the GPU up to the S
 rounding, which the plain path shares). Saved for the backward: x and h. The composed path also
 keeps a (N x F) from forward to backward, for gw_down; here the SwiGLU backward, which reads h
 anyway, writes a again, bit for bit: one N x F write more a layer in the backward, one less in the
-forward, and N x F less memory held per layer (268 MB a layer of olmoe8). Like `fp8_grouped_mm`, two opaque torch.library ops with a registered
-autograd formula: compiled blocks trace them without a graph break, the step can be CUDA-graphed.
+forward, and N x F less memory held per layer. Like `fp8_grouped_mm`, two opaque torch.library
+ops with a registered autograd formula: compiled blocks trace them without a graph break, and the
+step can be CUDA-graphed. Their arguments travel as one `FP8ExpertsInputs`.
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import NamedTuple
+
 import torch
 
 from moetrain.kernels.swiglu import swiglu_fp8, swiglu_fp8_backward
-from moetrain.moe.fp8_gemm import _grouped_weight_grad, quantized_weight, scaled_grouped_mm
-from moetrain.moe.fp8_weight_grad import grouped_weight_grad_fp8
+from moetrain.moe.experts import grouped_mm_weight_grad
+from moetrain.moe.fp8_ops import quantized_weight, scaled_grouped_mm
 from moetrain.nn.fp8 import quantize_rows
 
 
+class FP8ExpertsInputs(NamedTuple):
+    """The fused MLP's arguments, in the order of its op's schema. w_N: float32 row weights or
+    None. x_q_ND, x_scale_N: `quantize_rows(x_ND)` computed by the caller (the dispatcher), or
+    None. emulate: fp32 math instead of the tensor cores. use_fast_accum: see fp8_ops."""
+
+    x_ND: torch.Tensor
+    w_up_eD2F: torch.Tensor
+    w_down_eFD: torch.Tensor
+    offs_e: torch.Tensor
+    w_N: torch.Tensor | None
+    x_q_ND: torch.Tensor | None
+    x_scale_N: torch.Tensor | None
+    emulate: bool
+    use_fast_accum: bool
+
+
+def fp8_swiglu_experts(inputs: FP8ExpertsInputs) -> torch.Tensor:
+    """y = swiglu(x @ w_up, w_N) @ w_down per expert group, the forward and input-gradient
+    products in FP8; differentiable in x, both weights and w_N (not in x's FP8 rows)."""
+    x_ND, w_N = inputs.x_ND.contiguous(), inputs.w_N
+    if w_N is not None and w_N.dtype != torch.float32:
+        w_N = w_N.float()
+    y_ND, _ = _forward(*inputs._replace(x_ND=x_ND, w_N=w_N))
+    return y_ND
+
+
 @torch.library.custom_op("moetrain::fp8_swiglu_experts", mutates_args=())
-def fp8_swiglu_experts_op(
+def _forward(
     x_ND: torch.Tensor,
     w_up_eD2F: torch.Tensor,
     w_down_eFD: torch.Tensor,
@@ -49,87 +77,59 @@ def fp8_swiglu_experts_op(
     x_scale_N: torch.Tensor | None,
     emulate: bool,
     use_fast_accum: bool,
-    fp8_weight_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, h): the MLP's output and the activation its backward reads (with x). x_q_ND and
-    x_scale_N, when given, are `quantize_rows(x_ND)`, computed by the caller."""
-    dtype = x_ND.dtype
-    x_fp8 = quantize_rows(x_ND) if x_q_ND is None else (x_q_ND, x_scale_N)
-    h_N2F = scaled_grouped_mm(
-        *x_fp8, *quantized_weight(w_up_eD2F, "D"), offs_e, dtype, emulate, use_fast_accum
-    )
-    del x_fp8
-    a_q_NF, a_scale_N = swiglu_fp8(h_N2F, w_N)
-    y_ND = scaled_grouped_mm(
-        a_q_NF, a_scale_N, *quantized_weight(w_down_eFD, "D"), offs_e, dtype,
-        emulate, use_fast_accum,
+    """(y, h): the MLP's output and the activation its backward reads (with x)."""
+    mm = partial(
+        scaled_grouped_mm, offs_e=offs_e, out_dtype=x_ND.dtype, emulate=emulate,
+        use_fast_accum=use_fast_accum,
     )  # fmt: skip
+    x_fp8 = quantize_rows(x_ND) if x_q_ND is None else (x_q_ND, x_scale_N)
+    h_N2F = mm(*x_fp8, *quantized_weight(w_up_eD2F, "D"))
+    del x_fp8
+    y_ND = mm(*swiglu_fp8(h_N2F, w_N), *quantized_weight(w_down_eFD, "D"))
     return y_ND, h_N2F
 
 
-@fp8_swiglu_experts_op.register_fake
-def _(
-    x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, x_q_ND, x_scale_N, emulate, use_fast_accum,
-    fp8_weight_grad,
-):  # fmt: skip
-    n = x_ND.shape[0]
-    return x_ND.new_empty((n, w_down_eFD.shape[2])), x_ND.new_empty((n, w_up_eD2F.shape[2]))
+@_forward.register_fake
+def _(*args):
+    a = FP8ExpertsInputs(*args)
+    n = a.x_ND.shape[0]
+    return a.x_ND.new_empty((n, a.w_down_eFD.shape[2])), a.x_ND.new_empty((n, a.w_up_eD2F.shape[2]))
 
 
 @torch.library.custom_op("moetrain::fp8_swiglu_experts_backward", mutates_args=())
-def fp8_swiglu_experts_backward(
+def _backward_op(
     grad_y_ND: torch.Tensor,
-    x_ND: torch.Tensor,
     h_N2F: torch.Tensor,
+    x_ND: torch.Tensor,
     w_up_eD2F: torch.Tensor,
     w_down_eFD: torch.Tensor,
     offs_e: torch.Tensor,
     w_N: torch.Tensor | None,
     emulate: bool,
     use_fast_accum: bool,
-    fp8_weight_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad x, grad w_up, grad w_down, grad w_N: empty without row weights)."""
-    dtype = x_ND.dtype
-    grad_y_ND = grad_y_ND.to(dtype).contiguous()
-    grad_y_fp8 = quantize_rows(grad_y_ND)
-    grad_a_NF = scaled_grouped_mm(
-        *grad_y_fp8, *quantized_weight(w_down_eFD, "F"), offs_e, dtype, emulate, use_fast_accum
-    )
-    if not fp8_weight_grad:
-        del (
-            grad_y_fp8
-        )  # each temporary goes as soon as it is read: the peak is one layer's backward
+    """(grad x, grad w_up, grad w_down, grad w_N: empty without row weights). Each temporary goes
+    as soon as it is read: the peak is one layer's backward."""
+    mm = partial(
+        scaled_grouped_mm, offs_e=offs_e, out_dtype=x_ND.dtype, emulate=emulate,
+        use_fast_accum=use_fast_accum,
+    )  # fmt: skip
+    grad_y_ND = grad_y_ND.to(x_ND.dtype).contiguous()
+    grad_a_NF = mm(*quantize_rows(grad_y_ND), *quantized_weight(w_down_eFD, "F"))
     grad_h_N2F, grad_h_q, grad_h_scale, grad_w_N, a_NF = swiglu_fp8_backward(h_N2F, grad_a_NF, w_N)
     del grad_a_NF
-    fp8 = dict(emulate=emulate, use_fast_accum=use_fast_accum)
-    if fp8_weight_grad:
-        del grad_y_ND, grad_h_N2F  # the FP8 rows stand for them
-        grad_w_down = grouped_weight_grad_fp8(a_NF, *grad_y_fp8, offs_e, w_down_eFD.dtype, **fp8)
-        del grad_y_fp8
-    else:
-        grad_w_down = _grouped_weight_grad(a_NF, grad_y_ND, offs_e).to(w_down_eFD.dtype)
-        del grad_y_ND
-    del a_NF
-    grad_x_ND = scaled_grouped_mm(
-        grad_h_q, grad_h_scale, *quantized_weight(w_up_eD2F, "F"), offs_e, dtype, **fp8
-    )
-    if fp8_weight_grad:
-        grad_w_up = grouped_weight_grad_fp8(
-            x_ND, grad_h_q, grad_h_scale, offs_e, w_up_eD2F.dtype, **fp8
-        )
-    else:
-        grad_w_up = _grouped_weight_grad(x_ND, grad_h_N2F, offs_e).to(w_up_eD2F.dtype)
+    grad_w_down = grouped_mm_weight_grad(a_NF, grad_y_ND, offs_e).to(w_down_eFD.dtype)
+    del grad_y_ND, a_NF
+    grad_x_ND = mm(grad_h_q, grad_h_scale, *quantized_weight(w_up_eD2F, "F"))
+    grad_w_up = grouped_mm_weight_grad(x_ND, grad_h_N2F, offs_e).to(w_up_eD2F.dtype)
     if grad_w_N is None:
         grad_w_N = x_ND.new_empty((0,), dtype=torch.float32)
     return grad_x_ND, grad_w_up, grad_w_down, grad_w_N
 
 
-@fp8_swiglu_experts_backward.register_fake
-def _(
-    grad_y_ND, x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N, emulate, use_fast_accum,
-    fp8_weight_grad,
-):  # fmt: skip
+@_backward_op.register_fake
+def _(grad_y_ND, h_N2F, x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, *_):
     grad_w_N = x_ND.new_empty((0,), dtype=torch.float32) if w_N is None else torch.empty_like(w_N)
     return (
         torch.empty_like(x_ND),
@@ -140,60 +140,21 @@ def _(
 
 
 def _setup(ctx, inputs, output) -> None:
-    x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N, _, _, emulate, use_fast_accum, fp8_wgrad = inputs
+    a = FP8ExpertsInputs(*inputs)
     _, h_N2F = output
     ctx.mark_non_differentiable(h_N2F)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N)
-    ctx.emulate, ctx.use_fast_accum, ctx.fp8_weight_grad = emulate, use_fast_accum, fp8_wgrad
+    ctx.save_for_backward(h_N2F, a.x_ND, a.w_up_eD2F, a.w_down_eFD, a.offs_e, a.w_N)
+    ctx.flags = a.emulate, a.use_fast_accum
 
 
 def _backward(ctx, grad_y_ND, _grad_h):
-    x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N = ctx.saved_tensors
+    h_N2F, x_ND, w_up_eD2F, w_down_eFD, offs_e, w_N = saved = ctx.saved_tensors
     if grad_y_ND is None:  # y unused: nothing flows back
         grad_y_ND = x_ND.new_zeros((x_ND.shape[0], w_down_eFD.shape[2]))
-    grad_x, grad_w_up, grad_w_down, grad_w_N = fp8_swiglu_experts_backward(
-        grad_y_ND, x_ND, h_N2F, w_up_eD2F, w_down_eFD, offs_e, w_N,
-        ctx.emulate, ctx.use_fast_accum, ctx.fp8_weight_grad,
-    )  # fmt: skip
-    return (
-        grad_x,
-        grad_w_up,
-        grad_w_down,
-        None,
-        grad_w_N if w_N is not None else None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    grad_x, grad_w_up, grad_w_down, grad_w_N = _backward_op(grad_y_ND, *saved, *ctx.flags)
+    grad_w_N = grad_w_N if w_N is not None else None
+    return grad_x, grad_w_up, grad_w_down, None, grad_w_N, None, None, None, None
 
 
-fp8_swiglu_experts_op.register_autograd(_backward, setup_context=_setup)
-
-
-def fp8_swiglu_experts(
-    x_ND: torch.Tensor,
-    w_up_eD2F: torch.Tensor,
-    w_down_eFD: torch.Tensor,
-    offs_e: torch.Tensor,
-    w_N: torch.Tensor | None,
-    *,
-    emulate: bool,
-    use_fast_accum: bool,
-    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fp8_weight_grad: bool = False,
-) -> torch.Tensor:
-    """y = swiglu(x @ w_up, w_N) @ w_down per expert group, the forward and input-gradient
-    products in FP8 (the weight gradients too with `fp8_weight_grad`); differentiable in x, both
-    weights and the row weights w_N (float32, optional). `x_fp8`: (q, scale), x's rows already
-    quantized (`quantize_rows(x_ND)`, e.g. by the dispatcher), not differentiated."""
-    if w_N is not None and w_N.dtype != torch.float32:
-        w_N = w_N.float()
-    x_q_ND, x_scale_N = (None, None) if x_fp8 is None else x_fp8
-    y_ND, _ = fp8_swiglu_experts_op(
-        x_ND.contiguous(), w_up_eD2F, w_down_eFD, offs_e, w_N, x_q_ND, x_scale_N, emulate,
-        use_fast_accum, fp8_weight_grad,
-    )  # fmt: skip
-    return y_ND
+_forward.register_autograd(_backward, setup_context=_setup)

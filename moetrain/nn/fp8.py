@@ -6,11 +6,9 @@ For y = x w^T with x (M, K) tokens and w (N, K):
     input grad    gx = gy @ w      gy scaled per token along N,  w per input column along N
     weight grad   gw = gy^T @ x    in the input precision (bf16), as for the experts
 Forward and input gradient use the kernel's fast accumulation unless `precision.fp8_fast_accum`
-is off: on the H200 it added 0.1-0.2e-3 to a 1.7e-3 error against fp32 math on the same operands
-at K = 1024-2048. The weight gradient in FP8
-needs both operands scaled along the tokens, two transposed quantizations that took 0.255 ms at
-olmoe8's output projection against 0.168 ms for the whole bf16 product (benchmarks/RESULTS.md,
-session 13), so it stays bf16 (its reduction over all tokens is also where fast accumulation
+is off (a little more error than the bf16 output's rounding). The weight gradient in FP8 needs
+both operands scaled along the tokens, two transposed quantizations that cost more than the whole
+bf16 product, so it stays bf16 (its reduction over all tokens is also where fast accumulation
 doubled the error).
 
 Nothing is cached: operands, weights included, are quantized at every call with plain torch ops

@@ -10,9 +10,8 @@ gradient accumulates over chunks inside the GEMM (addmm, beta = 1) in the weight
 first chunk writes it (beta = 0), so no zero-filled buffer is written and read back.
 
 The chunk's loss and softmax-minus-onehot: on CUDA with Triton (bf16, fp16, fp32 logits), one
-Triton kernel (`moetrain.kernels.cross_entropy_triton`: 0.304 ms for 4096 x 50304 bf16 on an
-H200, against 0.465 ms for the compiled torch chunk and 0.195 ms for a copy of the chunk); else
-`_chunk_loss_and_grad`, its reference twin, compiled on CUDA and eager on CPU.
+Triton kernel (`moetrain.kernels.cross_entropy_triton`); else `_chunk_loss_and_grad`, its
+reference twin, compiled on CUDA and eager on CPU.
 
 `fp8="fp8"` (`precision.lm_head=fp8_rowwise`) takes the logits and the input gradient as FP8
 row-scaled products (`nn.fp8.scaled_mm`): each chunk of h and of the logits' gradient quantized

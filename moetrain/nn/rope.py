@@ -5,8 +5,7 @@ p * theta^(-2i/head_dim). The cosines and sines of the first `max_positions` pos
 float32 tables (buffers outside the state dict, rebuilt by `init_weights`); longer sequences, or a
 dtype wider than the tables, compute them on the spot. The tables matter under torch.compile:
 without them the compiler fuses the table's cos/sin into the kernels that apply RoPE and evaluates
-them once per element of q and k (B x heads times too often), which made RoPE 5x slower than its
-memory traffic.
+them once per element of q and k (B x heads times too often), far past its memory traffic.
 """
 
 from __future__ import annotations

@@ -4,15 +4,15 @@ padded and split into per-rank shards.
 A bucket holds parameters of one sync kind (dense or expert), dtype and device, in the order
 backward produces their gradients. Its flat buffers are padded to `shards x SHARD_ALIGN`
 elements; rank r of the bucket's group owns the r-th contiguous shard. Each parameter's `.data`
-(and `.grad`, when the gradient dtype is the parameter's) becomes a view into the flat buffers, so
-collectives run on the buckets without copies.
+(and `.grad`, when the gradient dtype is the parameter's: a GradBucket's view mode) becomes a
+view into the flat buffers, so collectives run on the buckets without copies.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from moetrain.optim.clip import EXPERT
+from moetrain.optim.grad_buckets import GradBucket, split_into_buckets
 
 SHARD_ALIGN = 64  # shard sizes are multiples of this many elements (aligned collective chunks)
 
@@ -37,16 +38,14 @@ class Piece:
     param_lo: int
 
 
-@dataclass
-class Bucket:
-    params: list[nn.Parameter]
+@dataclass(eq=False, kw_only=True)
+class Bucket(GradBucket):
+    """A GradBucket (grads_flat, slots, launch state) plus the parameters' flat buffer and this
+    rank's shard of both, with its master copy and moments."""
+
     names: list[str]
-    starts: list[int]  # each parameter's offset in the flat buffers
-    group: ProcessGroup | None
     divisor: float  # the reduced gradient is divided by this (averaging)
-    grad_is_view: bool  # .grad is a view of grads_flat (else: added in by the hook, then freed)
     params_flat: torch.Tensor  # every parameter of the bucket, training dtype
-    grads_flat: torch.Tensor  # their gradients, grad dtype
     shard_lo: int  # where the owned shard starts in the flat buffers
     grad_shard: torch.Tensor  # reduce-scatter output (a view of grads_flat when unsharded)
     staging: torch.Tensor  # all-gather input, training dtype
@@ -55,16 +54,6 @@ class Bucket:
     exp_avg_sq: torch.Tensor  # owned shard, fp32
     pieces: list[Piece]
     runs: list[tuple[int, int, int]]  # (lo, hi, param group index), merged adjacent pieces
-    ready: set[int] = field(default_factory=set)
-    # accumulation mode: parameters with nothing in grads_flat yet this step (the first .grad is
-    # copied in, so the buffer needs no zeroing pass; what stays unwritten is zeroed at launch)
-    unwritten: set[int] = field(default_factory=set)
-    launched: bool = False
-    work: Any = None
-
-    def grad_view(self, index: int) -> torch.Tensor:
-        start, param = self.starts[index], self.params[index]
-        return self.grads_flat[start : start + param.numel()].view_as(param)
 
 
 Entry = tuple[str, nn.Parameter, int, str]  # name, parameter, param group index, sync kind
@@ -125,21 +114,18 @@ def make_buckets(
     master_dtype: torch.dtype,
     grad_dtype: torch.dtype | None,
 ) -> list[Bucket]:
-    """Walk the parameters in reverse forward order (the order backward produces gradients) with
-    one open bucket per (sync kind, dtype, device); a bucket closes once it holds bucket_bytes.
-    The closing order is the launch order."""
-    buckets, open_buckets = [], {}
-    for entry in reversed(entries):
-        _, param, _, kind = entry
-        key = (kind, param.dtype, param.device)
-        members = open_buckets.setdefault(key, [])
-        members.append(entry)
-        if sum(p.numel() for _, p, _, _ in members) * param.element_size() >= bucket_bytes:
-            del open_buckets[key]
-            buckets.append(make_bucket(members, *sync[kind], master_dtype, grad_dtype))
-    for (kind, _, _), members in open_buckets.items():
-        buckets.append(make_bucket(members, *sync[kind], master_dtype, grad_dtype))
-    return buckets
+    """Buckets of one (sync kind, dtype, device) each, filled in reverse forward order (the
+    order backward produces gradients) up to bucket_bytes; their order is the launch order."""
+    members_of = split_into_buckets(
+        list(reversed(entries)),
+        key=lambda entry: (entry[3], entry[1].dtype, entry[1].device),
+        nbytes=lambda entry: entry[1].numel() * entry[1].element_size(),
+        size=bucket_bytes,
+    )
+    return [
+        make_bucket(members, *sync[members[0][3]], master_dtype, grad_dtype)
+        for members in members_of
+    ]
 
 
 def make_bucket(
@@ -191,7 +177,7 @@ def make_bucket(
         starts=starts,
         group=group,
         divisor=divisor,
-        grad_is_view=grad_dtype == dtype,
+        accumulate=grad_dtype != dtype,
         params_flat=params_flat,
         grads_flat=grads_flat,
         shard_lo=lo,
@@ -202,5 +188,4 @@ def make_bucket(
         exp_avg_sq=torch.zeros(shard, dtype=torch.float32, device=device),
         pieces=pieces,
         runs=runs,
-        unwritten=set() if grad_dtype == dtype else set(range(len(params))),
     )

@@ -26,9 +26,8 @@ optim/sharded_state.py), never a global copy, and load under any layout.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +36,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from moetrain.dist_compat import all_gather_flat, reduce_scatter_flat
-from moetrain.kernels.accumulate_triton import accumulate_
 from moetrain.moe.experts import GroupedExperts
 from moetrain.optim.buckets import (
     Bucket,
@@ -49,7 +47,7 @@ from moetrain.optim.buckets import (
     param_entries,
 )
 from moetrain.optim.clip import EXPERT, clip_coefficient
-from moetrain.optim.grad_hooks import weak_grad_hook
+from moetrain.optim.grad_buckets import BucketedGrads
 from moetrain.optim.sharded_state import ShardState, copy_chunks, shard_state
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -69,7 +67,7 @@ def expert_global_slices(model: nn.Module, num_experts: int) -> dict[str, tuple[
     return slices
 
 
-class ShardedAdamW:
+class ShardedAdamW(BucketedGrads):
     """ZeRO-1 AdamW. See the module docstring for the layout and the trainer's call order.
 
     `param_groups`: `build_param_groups` output (each group: params, param_names, kind,
@@ -115,8 +113,6 @@ class ShardedAdamW:
             {"weight_decay": g["weight_decay"], "lr_mult": g.get("lr_mult", 1.0)}
             for g in param_groups
         ]
-        self._sync_enabled = True
-        self._next_launch = 0  # buckets before this index have their reduce-scatter launched
 
         entries = param_entries(param_groups, param_order)
         self._layout = global_layouts(entries, global_slices or {})
@@ -128,7 +124,7 @@ class ShardedAdamW:
             "dense": (dense_group, float(group_size(dense_group))),
             EXPERT: (expert_group, float(expert_grad_divisor)),
         }
-        self.buckets = make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype)
+        self._init_buckets(make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype))
         device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
         # Steps applied so far, on the device (a skipped step is decided there). float32, the
         # dtype torch.optim.AdamW(fused=True) keeps: the CUDA fused kernel reads the step as a
@@ -136,92 +132,20 @@ class ShardedAdamW:
         # 2**24 is exact in float32.
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self._where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(
-                weak_grad_hook(self, ShardedAdamW._on_grad_accumulated, b, index)
-            )
-            for b, bucket in enumerate(self.buckets)
-            for index, param in enumerate(bucket.params)
-        ]
 
-    # ---- gradient synchronization ------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradient-accumulation micro-steps: gradients accumulate locally, nothing is launched."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-
-    def _on_grad_accumulated(self, param: torch.Tensor, b: int, index: int) -> None:
-        bucket = self.buckets[b]
-        if not bucket.grad_is_view:  # add this backward's .grad into the bucket, free it
-            self._collect_grad(bucket, index)
-        if not self._sync_enabled:
-            return
-        if bucket.launched or index in bucket.ready:
-            raise RuntimeError(
-                f"gradient of {bucket.names[index]} accumulated again after it was ready for "
-                "reduction: run gradient-accumulation micro-steps inside opt.no_sync() and "
-                "call opt.step() / opt.zero_grad() between optimizer steps"
-            )
-        bucket.ready.add(index)
-        # Launch in bucket order only, so every rank issues the same collective sequence.
-        while self._next_launch < len(self.buckets):
-            nxt = self.buckets[self._next_launch]
-            if len(nxt.ready) < len(nxt.params):
-                break
-            self._launch_reduce(nxt)
-
-    def _collect_grad(self, bucket: Bucket, index: int) -> None:
-        """Bring a `.grad` that is not the bucket's view into the bucket. View mode: `.grad` is
-        the gradient (None means zero), it replaces the bucket's copy. Accumulation mode: `.grad`
-        is this backward's increment: copied in if it is the step's first, else added."""
-        param, view = bucket.params[index], bucket.grad_view(index)
-        grad = param.grad
-        if bucket.grad_is_view:
-            if grad is None:
-                view.zero_()
-            elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
-            param.grad = view
-        elif grad is not None:
-            accumulate_(view, grad, first=index in bucket.unwritten)
-            bucket.unwritten.discard(index)
-            param.grad = None
-
-    def _launch_reduce(self, bucket: Bucket) -> None:
-        for index in range(len(bucket.params)):
-            self._collect_grad(bucket, index)
-        for index in bucket.unwritten:  # accumulation mode, no gradient this step: zero
-            bucket.grad_view(index).zero_()
-        bucket.unwritten.clear()
-        if bucket.group is not None:
-            bucket.work = reduce_scatter_flat(
-                bucket.grad_shard, bucket.grads_flat, group=bucket.group, async_op=True
-            )
-        bucket.launched = True
-        self._next_launch += 1
+    # ---- gradient synchronization: optim/grad_buckets.py; this optimizer's collective --------
+    def _launch(self, bucket: Bucket):
+        if bucket.group is None:
+            return None
+        return reduce_scatter_flat(
+            bucket.grad_shard, bucket.grads_flat, group=bucket.group, async_op=True
+        )
 
     def finish_grad_sync(self) -> None:
         """Launch the reduce-scatters the backward hooks have not launched (unused parameters,
         gradients assigned by hand) and wait for all of them. Idempotent within a step."""
-        while self._next_launch < len(self.buckets):
-            self._launch_reduce(self.buckets[self._next_launch])
-        self._wait_reduces()
-
-    def _wait_reduces(self) -> None:
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
-
-    def _reset_sync(self) -> None:
-        for bucket in self.buckets:
-            bucket.ready.clear()
-            bucket.launched = False
-        self._next_launch = 0
+        self.launch_remaining()
+        self.wait()
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -303,7 +227,7 @@ class ShardedAdamW:
 
         # (5) Wait for the gathers: every parameter holds its new value on every rank.
         self._finish_gathers(gathers)
-        self._reset_sync()
+        self.end_step(unwritten=False)  # accumulate mode: zero_grad marks them
         return total_norm
 
     def _finish_gathers(self, gathers: list) -> None:
@@ -328,17 +252,15 @@ class ShardedAdamW:
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Zero every gradient: in view mode the buckets (`.grad` stays a view of them); in
-        accumulation mode every parameter is marked unwritten, so the step's first backward
-        copies in instead of adding (no zeroing pass over the fp32 buffers)."""
-        self._wait_reduces()  # nothing may still be reading the buffers
+        accumulate mode every slot is marked unwritten, so the step's first backward copies in
+        instead of adding (no zeroing pass over the fp32 buffers)."""
+        self.wait()  # nothing may still be reading the buffers
         for bucket in self.buckets:
-            if bucket.grad_is_view:
+            if not bucket.accumulate:
                 bucket.grads_flat.zero_()
-            else:
-                bucket.unwritten = set(range(len(bucket.params)))
             for index, param in enumerate(bucket.params):
-                param.grad = bucket.grad_view(index) if bucket.grad_is_view else None
-        self._reset_sync()
+                param.grad = None if bucket.accumulate else bucket.grad_view(index)
+        self.end_step()
 
     def state_bytes_per_rank(self) -> int:
         """Bytes of optimizer state this rank holds: master copy and both moments of its shards."""

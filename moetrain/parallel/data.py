@@ -7,10 +7,10 @@ backpropagates the mean loss of its own micro-batch, so
   contributions of every source rank of its ep group (through the all-to-all backward), and the
   edp replicas saw disjoint data: all-reduce SUM over edp, then divide by dp.
 `GradientSync` does this DDP-style. Parameters are packed, in reverse registration order (about
-the order backward produces them), into flat buckets of one kind (dense or expert) and dtype. A
-post-accumulate-grad hook copies each gradient into its bucket; a full bucket launches an async
-all-reduce, in bucket order, so communication overlaps backward and every rank issues the same
-sequence of collectives. `finish()` launches what backward did not, waits, divides, copies back.
+the order backward produces them), into flat buckets of one kind (dense or expert) and dtype;
+a bucket whose gradients are all in launches an async all-reduce, in bucket order, so
+communication overlaps backward and every rank issues the same sequence of collectives (the
+protocol of optim/grad_buckets.py). `finish()` launches what backward did not, waits, divides.
 
     for i, micro_batch in enumerate(micro_batches):
         with sync.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
@@ -23,86 +23,32 @@ parallelism each experts module is sharded over edp with gradient divide factor 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from moetrain.kernels.accumulate_triton import accumulate_
 from moetrain.moe.layer import MoELayer
-from moetrain.optim.grad_hooks import weak_grad_hook
+from moetrain.optim.grad_buckets import BucketedGrads, GradBucket, split_into_buckets
 from moetrain.parallel.expert import is_expert_param
 from moetrain.parallel.mesh import ParallelDims
 
 
-@dataclass
-class _Bucket:
-    params: list[nn.Parameter]
-    group: ProcessGroup | None  # None: nothing to reduce (accumulation only)
-    dtype: torch.dtype  # of the flat buffer: the gradient accumulation and reduction dtype
-    accumulate: bool  # gradients are added into the buffer at every backward, .grad freed
-    flat: torch.Tensor | None = None  # allocated once the bucket is closed
-    offsets: list[int] = field(default_factory=list)
-    ready: list[bool] = field(default_factory=list)
-    unwritten: list[bool] = field(default_factory=list)  # per slot: nothing accumulated this step
-    work: dist.Work | None = None
-
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
-    def close(self) -> None:
-        self.offsets = [0]
-        for p in self.params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.flat = torch.empty(self.offsets[-1], dtype=self.dtype, device=self.params[0].device)
-        self.ready = [False] * len(self.params)
-        self.unwritten = [True] * len(self.params)
-
-    def view(self, slot: int) -> torch.Tensor:
-        return self.flat[self.offsets[slot] : self.offsets[slot + 1]].view_as(self.params[slot])
-
-    def collect(self, slot: int) -> None:
-        """Accumulation mode: add this backward's .grad into the buffer (the first one of a step
-        is copied, so no memset pass is needed) and free it; one fused pass on the GPU."""
-        grad = self.params[slot].grad
-        if grad is not None:
-            accumulate_(self.view(slot), grad, first=self.unwritten[slot])
-            self.unwritten[slot] = False
-            self.params[slot].grad = None
-
-    def copy_in(self, slot: int) -> None:
-        """The slot's final gradient is in place: zero if it never got one this step (unused on
-        this rank: it contributes zero)."""
-        if self.accumulate:
-            self.collect(slot)  # a .grad written without the hook (a pipeline's weight pass)
-            if self.unwritten[slot]:
-                self.view(slot).zero_()
-        elif self.params[slot].grad is None:
-            self.view(slot).zero_()
-        else:
-            self.view(slot).copy_(self.params[slot].grad)
-        self.ready[slot] = True
-
-
-class GradientSync:
+class GradientSync(BucketedGrads):
     """DDP-style gradient synchronization for a model whose parameters are all local (apply_ep
     may have sharded the experts), and the gradients' accumulation dtype.
 
     `grad_dtype` None: gradients accumulate in the parameters' dtype in `.grad` (autograd's own
-    accumulation) and are reduced in it; a no-op when dp is 1. A dtype (fp32 with bf16
-    parameters: Megatron's main_grad, FSDP2's reduce dtype): every parameter's gradient lives
-    in a flat buffer of that dtype, which each backward's `.grad` is added into and then freed,
-    reduced in that dtype; after `finish()` each gradient is a view of the buffer (also at dp 1,
-    where it only accumulates). The buffer view is `param.main_grad` (autograd refuses a `.grad`
-    of another dtype); optimizers read it through `moetrain.optim.clip.grad_of`. Accumulating
-    16 bf16 micro-batch gradients in bf16 measured 5.3e-3 relative error against 1.7e-3 in fp32
-    (issue #22)."""
+    accumulation), which becomes a view of its bucket (optim/grad_buckets.py, view mode) reduced
+    in that dtype; a no-op when dp is 1. A dtype (fp32 with bf16 parameters: Megatron's
+    main_grad, FSDP2's reduce dtype): every parameter's gradient lives in a flat buffer of that
+    dtype, which each backward's `.grad` is added into and then freed, reduced in that dtype;
+    after `finish()` each gradient is a view of the buffer (also at dp 1, where it only
+    accumulates). That view is `param.main_grad` (autograd refuses a `.grad` of another dtype);
+    optimizers read it through `moetrain.optim.clip.grad_of`."""
 
     def __init__(
         self,
@@ -112,116 +58,72 @@ class GradientSync:
         grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.dims = dims
-        self._sync_enabled = True
-        self._buckets: list[_Bucket] = []
-        self._slot: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         self._divide_only: list[nn.Parameter] = []  # experts without replicas (edp 1), no buffer
-        self._next_launch = 0
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self.accumulate = grad_dtype is not None
-        if dims.dp == 1 and not self.accumulate:
-            return
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if any(isinstance(p, DTensor) for _, p in named):
-            raise ValueError(
-                "GradientSync is for parallel.data_parallel 'ddp'; this model is sharded "
-                "(fsdp), which reduces its own gradients"
+        accumulate = grad_dtype is not None
+        members: list[tuple[nn.Parameter, bool]] = []  # (parameter, is an expert's)
+        if dims.dp > 1 or accumulate:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            if any(isinstance(p, DTensor) for _, p in named):
+                raise ValueError(
+                    "GradientSync is for parallel.data_parallel 'ddp'; this model is sharded "
+                    "(fsdp), which reduces its own gradients"
+                )
+            for name, param in reversed(named):
+                expert = is_expert_param(name)
+                if expert and dims.edp_group is None and not accumulate:
+                    self._divide_only.append(param)
+                else:
+                    members.append((param, expert))
+        buckets = []
+        for bucket_members in split_into_buckets(
+            members,
+            key=lambda m: (m[1], grad_dtype or m[0].dtype, m[0].device),
+            nbytes=lambda m: m[0].numel() * m[0].element_size(),
+            size=bucket_mb * 2**20,
+        ):
+            params = [param for param, _ in bucket_members]
+            starts = [0]
+            for param in params[:-1]:
+                starts.append(starts[-1] + param.numel())
+            flat = torch.zeros(
+                starts[-1] + params[-1].numel(),
+                dtype=grad_dtype or params[0].dtype,
+                device=params[0].device,
             )
-        open_buckets: dict[tuple, _Bucket] = {}
-        for name, param in reversed(named):
-            expert = is_expert_param(name)
-            group = dims.edp_group if expert else dims.dp_group
-            if group is None and not self.accumulate:
-                self._divide_only.append(param)
-                continue
-            dtype = grad_dtype or param.dtype
-            key = (expert, dtype, param.device)
-            if key not in open_buckets:  # buckets are numbered in the order they open
-                open_buckets[key] = _Bucket([], group, dtype, self.accumulate)
-                self._buckets.append(open_buckets[key])
-            bucket = open_buckets[key]
-            self._slot[param] = (bucket, len(bucket.params))
-            bucket.params.append(param)
-            if bucket.numel() * param.element_size() >= bucket_mb * 2**20:
-                bucket.close()
-                del open_buckets[key]
-        for bucket in open_buckets.values():
-            bucket.close()
-        for param in self._slot:
-            self._hooks.append(
-                param.register_post_accumulate_grad_hook(
-                    weak_grad_hook(self, GradientSync._on_grad_ready)
+            group = dims.edp_group if bucket_members[0][1] else dims.dp_group
+            buckets.append(
+                GradBucket(
+                    params=params,
+                    grads_flat=flat,
+                    starts=starts,
+                    accumulate=accumulate,
+                    group=group,
                 )
             )
+        self._init_buckets(buckets)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradient-accumulation micro-steps: gradients accumulate locally, nothing is sent."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        bucket, slot = self._slot[param]
-        if bucket.work is not None or bucket.ready[slot]:
-            raise RuntimeError(
-                "a gradient changed after its all-reduce started: run every backward of a step "
-                "but the last under GradientSync.no_sync(), and call finish() after the last"
-            )
-        if bucket.accumulate:
-            bucket.collect(slot)
-        if not self._sync_enabled:
-            return
-        bucket.copy_in(slot)
-        self._launch_in_order()
-
-    def _launch_in_order(self, force: bool = False) -> None:
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
-            if force:
-                for slot, ready in enumerate(bucket.ready):
-                    if not ready:
-                        bucket.copy_in(slot)
-            elif not all(bucket.ready):
-                return
-            if bucket.group is not None:
-                bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
-            self._next_launch += 1
+    def _launch(self, bucket: GradBucket):
+        if bucket.group is None:  # accumulation only
+            return None
+        return dist.all_reduce(bucket.grads_flat, group=bucket.group, async_op=True)
 
     def finish(self) -> None:
         """After the last backward of a step: every gradient becomes the synchronized one."""
-        if not self._buckets and not self._divide_only:
-            return
         # 1. Launch the buckets backward did not complete (no_sync steps, unused parameters).
-        self._launch_in_order(force=True)
+        self.launch_remaining()
         # 2. Experts without replicas only need the division (their sum happened in the a2a).
         for param in self._divide_only:
             if param.grad is not None:
                 param.grad.div_(self.dims.dp)
         # 3. Wait, divide (the mean over dp), hand the gradients over; reset for the next step.
-        for bucket in self._buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
+        self.wait()
+        for bucket in self.buckets:
             if self.dims.dp > 1:
-                bucket.flat.div_(self.dims.dp)
-            for slot, param in enumerate(bucket.params):
-                if bucket.accumulate:  # read through moetrain.optim.clip.grad_of
-                    param.main_grad = bucket.view(slot)
-                elif param.grad is None:
-                    param.grad = bucket.view(slot).clone()
-                else:
-                    param.grad.copy_(bucket.view(slot))
-            bucket.work = None
-            bucket.ready = [False] * len(bucket.params)
-            bucket.unwritten = [True] * len(bucket.params)
-        self._next_launch = 0
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+                bucket.grads_flat.div_(self.dims.dp)
+            if bucket.accumulate:  # read through moetrain.optim.clip.grad_of
+                for slot, param in enumerate(bucket.params):
+                    param.main_grad = bucket.grad_view(slot)
+        self.end_step()
 
 
 def all_reduce_stats(

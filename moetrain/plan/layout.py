@@ -58,7 +58,7 @@ class Cluster:
     matmul_efficiency: float = 0.8  # dense products; H200: 794 of 989 TFLOP/s (8192^3 BF16)
     grouped_efficiency: float = 0.7  # expert grouped GEMMs; H200: 631-720 of 989 at MoE shapes
     # FP8 products (row-scaled, fast accumulation) against the FP8 datasheet peak; H200: grouped
-    # 868-1,130 and dense 929-1,431 of 1,979 TFLOP/s at small's and olmoe8's shapes (session 13)
+    # 868-1,130 and dense 929-1,431 of 1,979 TFLOP/s at small's and olmoe8's shapes
     fp8_efficiency: float = 0.5
     # SDPA cuDNN on H200 does 470 real TFLOP/s; counted as model FLOPs (6 D S per token and
     # layer, 6/7 of the real causal count) that is 403 of 989

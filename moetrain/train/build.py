@@ -21,7 +21,7 @@ from moetrain.data import (
     source_labels,
 )
 from moetrain.model.transformer import Transformer
-from moetrain.moe.fp8_gemm import make_grouped_gemm
+from moetrain.moe.grouped_gemm import make_grouped_gemm
 from moetrain.nn.attention import Attention
 from moetrain.nn.fp8 import check_fp8_widths, fp8_unsupported_reason
 from moetrain.nn.mlp import SwiGLU
@@ -132,10 +132,7 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
     if config.precision.experts == "bf16":
         return
     gemm = make_grouped_gemm(
-        config.precision.experts,
-        device,
-        use_fast_accum=config.precision.fp8_fast_accum,
-        fp8_weight_grad=config.precision.fp8_expert_weight_grad,
+        config.precision.experts, device, use_fast_accum=config.precision.fp8_fast_accum
     )
     for layer in model.moe_layers():
         layer.experts.gemm = gemm

@@ -4,7 +4,7 @@ Why: nothing in moetrain's step waits for the host (no `.item()`, no data-depend
 branches), so the whole step (forward, backward, clip, optimizer, MoE bias update, metric sums) is
 a fixed sequence of kernels. Replaying it as one graph removes the host's launch work, which on
 small models is longer than the GPU's: the GPU no longer waits for Python to launch the next
-kernel (docs/design.md has the measured gain).
+kernel.
 
 What changes between steps travels through memory the graph reads, never through launch
 arguments: the micro-batches are copied into static input buffers and the learning rate into a

@@ -89,6 +89,16 @@ def randn(*shape, dtype=torch.bfloat16):
     return torch.randn(shape).to(dtype)
 
 
+def test_route_topk_kernel_writes_only_its_outputs():
+    from moetrain.kernels import topk
+
+    scores = torch.rand(32, 64)
+    ids, counts = torch.empty(32, 8, dtype=torch.int64), torch.zeros(64, dtype=torch.int32)
+    assert_writes_only(
+        lambda w: topk._launch(scores, 8, ids, counts, wrap=w), {"ids_ptr", "counts_ptr"}
+    )
+
+
 @pytest.mark.parametrize("F_", [512, 96])
 def test_swiglu_kernels_write_only_their_outputs(F_):
     from moetrain.kernels import swiglu_triton as s
@@ -119,33 +129,9 @@ def test_gather_kernels_write_only_their_outputs(D):
     from moetrain.kernels import gather_triton as g
 
     T, K = 32, 4
-    x, inverse = randn(T, D), torch.randperm(T * K).view(T, K)
-    rows, weights = randn(T * K, D), torch.rand(T, K)
-    assert_writes_only(
-        lambda w: g.launch_spread_routes(x, inverse, None, None, rows.clone(), None, wrap=w),
-        {"dst_ptr"},
-    )
-    assert_writes_only(
-        lambda w: g.launch_spread_routes(
-            x, inverse, weights, rows, torch.empty_like(rows), torch.empty_like(weights), wrap=w
-        ),
-        {"dst_ptr", "dot_ptr"},
-    )
-    for w_TK in (None, weights):
-        assert_writes_only(
-            lambda w, w_TK=w_TK: g.launch_sum_routes(rows, inverse, w_TK, x.clone(), wrap=w),
-            {"dst_ptr"},
-        )
-
-
-def test_route_topk_kernel_writes_only_its_outputs():
-    from moetrain.kernels import topk
-
-    scores = torch.rand(32, 64)
-    ids, counts = torch.empty(32, 8, dtype=torch.int64), torch.zeros(64, dtype=torch.int32)
-    assert_writes_only(
-        lambda w: topk._launch(scores, 8, ids, counts, wrap=w), {"ids_ptr", "counts_ptr"}
-    )
+    x, inverse, rows = randn(T, D), torch.randperm(T * K).view(T, K), randn(T * K, D)
+    assert_writes_only(lambda w: g.launch_spread_routes(x, inverse, rows.clone(), wrap=w), {"dst_ptr"})  # fmt: skip
+    assert_writes_only(lambda w: g.launch_sum_routes(rows, inverse, x.clone(), wrap=w), {"dst_ptr"})
 
 
 @pytest.mark.parametrize("heads,head_dim", [(16, 64), (4, 20)])

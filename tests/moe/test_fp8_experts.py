@@ -10,7 +10,8 @@ import torch._inductor.config
 
 from moetrain.kernels.swiglu import swiglu_reference
 from moetrain.moe.experts import GroupedExperts, grouped_mm_reference
-from moetrain.moe.fp8_gemm import FP8RowwiseGroupedGemm, fp8_unsupported_reason
+from moetrain.moe.grouped_gemm import FP8RowwiseGroupedGemm
+from moetrain.nn.fp8 import fp8_unsupported_reason
 
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_unsupported_reason(torch.device("cuda")) is None
 
@@ -84,8 +85,7 @@ def test_fused_mlp_is_the_composed_products_on_cpu(dtype):
     assert torch.equal(fused[2][1], torch.zeros_like(fused[2][1]))  # the expert without rows
 
 
-@pytest.mark.parametrize("fp8_weight_grad", [False, True])
-def test_fused_mlp_is_close_to_fp32_math(fp8_weight_grad):
+def test_fused_mlp_is_close_to_fp32_math():
     """Two chained e4m3 products (about 4% each on Gaussian data) land within 10% of fp32 math;
     a scale on the wrong dim or a dropped row weight would be off by O(1)."""
     x, w_up, w_down, row_w, offs, g = problem(
@@ -97,7 +97,7 @@ def test_fused_mlp_is_close_to_fp32_math(fp8_weight_grad):
         return grouped_mm_reference(swiglu_reference(h, w_), experts_down, offs_)
 
     experts_up, experts_down = w_up, w_down
-    gemm = FP8RowwiseGroupedGemm("cpu", fp8_weight_grad=fp8_weight_grad)
+    gemm = FP8RowwiseGroupedGemm("cpu")
     got = run(gemm, x, w_up, w_down, row_w, offs, g)
     n = g.shape[0]
     xr = x.clone().requires_grad_()
@@ -111,60 +111,13 @@ def test_fused_mlp_is_close_to_fp32_math(fp8_weight_grad):
         assert rel(a, b) < 0.1, name
 
 
-@pytest.mark.parametrize("fp8_weight_grad", [False, True])
-def test_fused_mlp_compiles_without_a_graph_break(fp8_weight_grad):
+def test_fused_mlp_compiles_without_a_graph_break():
     args = problem(COUNTS, NUM_ROWS, D, F, dtype=torch.float32, device="cpu", seed=3)
-    gemm = FP8RowwiseGroupedGemm("cpu", fp8_weight_grad=fp8_weight_grad)
+    gemm = FP8RowwiseGroupedGemm("cpu")
     eager = run(gemm, *args)
     compiled = run(gemm, *args, compile="aot_eager")
     for a, b in zip(compiled, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_weight_grad_changes_the_weight_gradients_alone(dtype):
-    """The FP8 weight gradients leave the output and the other gradients as they were, bit for
-    bit; they are within e4m3's error of the BF16 ones (the emulation's fp32 products), and the
-    expert without rows still gets exactly zero."""
-    args = problem(COUNTS, NUM_ROWS, D, F, dtype=dtype, device="cpu", seed=10)
-    fp8 = run(FP8RowwiseGroupedGemm("cpu", fp8_weight_grad=True), *args)
-    bf16 = run(FP8RowwiseGroupedGemm("cpu"), *args)
-    for name, a, b in zip(("y", "dx", "dw_up", "dw_down", "drow_w"), fp8, bf16, strict=True):
-        assert torch.isfinite(a).all(), name
-        if name.startswith("dw"):
-            assert not torch.equal(a, b) and rel(a, b) < 0.06, name
-        else:
-            assert torch.equal(a, b), name
-    assert torch.equal(fp8[2][1], torch.zeros_like(fp8[2][1]))
-
-
-def test_fp8_weight_grad_is_a_per_group_sum_of_row_products():
-    """`grouped_weight_grad_fp8` against fp64 math on the same inputs: groups of every size
-    (empty, 1 row, non-multiples of 16), rows past the last group ignored. Dropping b's row
-    scales, or a group boundary off by a row, is off by far more than e4m3's rounding."""
-    from moetrain.kernels.quant import quantize_fp8_rowwise
-    from moetrain.moe.fp8_weight_grad import grouped_weight_grad_fp8
-
-    gen = torch.Generator().manual_seed(11)
-    counts = [0, 1, 33, 16, 70, 0, 5]
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    n = int(offs[-1]) + 9
-    a = torch.randn(n, 48, generator=gen) * torch.logspace(-1, 1, n)[:, None]
-    b = torch.randn(n, 80, generator=gen) * torch.logspace(1, -1, n)[:, None]
-    a[int(offs[-1]) :] = b[int(offs[-1]) :] = 1e30  # padding rows: garbage
-    b_q, b_s = quantize_fp8_rowwise(b)
-    got = grouped_weight_grad_fp8(
-        a, b_q, b_s, offs, torch.float32, emulate=True, use_fast_accum=False
-    )
-    assert got.shape == (7, 48, 80)
-    start = 0
-    for i, end in enumerate(offs.tolist()):
-        want = a[start:end].double().T @ b[start:end].double()
-        if end == start:
-            assert torch.equal(got[i], torch.zeros_like(got[i]))
-        else:
-            assert rel(got[i], want) < 0.05, i
-        start = end
 
 
 def saved_rows(experts, x, row_w, offs) -> list[tuple[int, ...]]:
@@ -238,7 +191,7 @@ def moe_layer_run(fp8_rows: bool, *, device="cpu", compile=False, seed=9):
     """An FP8-expert MoE layer (fused MLP; the emulation off FP8 GPUs) on fresh inputs, with
     the dispatcher's FP8 rows on or off: output and every gradient."""
     from moetrain.config import MoEConfig
-    from moetrain.moe.fp8_gemm import make_grouped_gemm
+    from moetrain.moe.grouped_gemm import make_grouped_gemm
     from moetrain.moe.layer import MoELayer
 
     torch.manual_seed(seed)
@@ -306,31 +259,9 @@ def test_fused_mlp_is_the_composed_products_on_the_gpu(fast_accum):
 
 @pytest.mark.gpu
 @needs_fp8_gpu
-@pytest.mark.parametrize("fast_accum", [True, False])
-def test_fp8_weight_grad_on_the_gpu(fast_accum):
-    """Tensor cores and the group kernels: the output and the input gradients are the BF16
-    weight gradient's, bit for bit; the weight gradients are close to the emulation on the same
-    FP8 operands (fp32 math) and within e4m3's error of the BF16 ones."""
-    args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=12)
-    fp8 = run(FP8RowwiseGroupedGemm("cuda", use_fast_accum=fast_accum, fp8_weight_grad=True), *args)
-    bf16 = run(FP8RowwiseGroupedGemm("cuda", use_fast_accum=fast_accum), *args)
-    emulated = run(FP8RowwiseGroupedGemm("cuda", emulate=True, fp8_weight_grad=True), *args)
-    names = ("y", "dx", "dw_up", "dw_down", "drow_w")
-    for name, a, b, c in zip(names, fp8, bf16, emulated, strict=True):
-        assert torch.isfinite(a).all(), name
-        if name.startswith("dw"):
-            assert rel(a, c) < 3e-2 and rel(a, b) < 0.06, name
-        else:
-            assert torch.equal(a, b), name
-    assert torch.equal(fp8[2][1], torch.zeros_like(fp8[2][1]))  # the expert without rows
-
-
-@pytest.mark.gpu
-@needs_fp8_gpu
-@pytest.mark.parametrize("fp8_weight_grad", [False, True])
-def test_fused_mlp_on_the_gpu_has_no_host_sync(fp8_weight_grad):
+def test_fused_mlp_on_the_gpu_has_no_host_sync():
     args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=6)
-    gemm = FP8RowwiseGroupedGemm("cuda", fp8_weight_grad=fp8_weight_grad)
+    gemm = FP8RowwiseGroupedGemm("cuda")
     run(gemm, *args)  # warm-up: Triton compiles
     experts, x, row_w = build(gemm, *args)  # host-to-device copies: outside the checked region
     torch.cuda.synchronize()
@@ -362,10 +293,9 @@ def test_moe_layer_with_dispatcher_fp8_rows_on_the_gpu(compile):
 
 @pytest.mark.gpu
 @needs_fp8_gpu
-@pytest.mark.parametrize("fp8_weight_grad", [False, True])
-def test_fused_mlp_on_the_gpu_compiled_matches_eager(fp8_weight_grad):
+def test_fused_mlp_on_the_gpu_compiled_matches_eager():
     args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=7)
-    gemm = FP8RowwiseGroupedGemm("cuda", fp8_weight_grad=fp8_weight_grad)
+    gemm = FP8RowwiseGroupedGemm("cuda")
     eager = run(gemm, *args)
     compiled = run(gemm, *args, compile="inductor")
     for a, b in zip(compiled, eager, strict=True):

@@ -49,12 +49,12 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_start_up_error(monkeypatch):
     """An A100 (sm80), say: precision.linear and precision.experts=fp8_rowwise fail at start-up
     naming the GPU, never a silent emulation."""
     from moetrain.model.transformer import Transformer
-    from moetrain.moe import fp8_gemm
+    from moetrain.moe import grouped_gemm
     from moetrain.train import build
 
     reason = "FP8 tensor-core GEMMs need compute capability 9.x or 10.x; NVIDIA A100 has 8.0"
     monkeypatch.setattr(build, "fp8_unsupported_reason", lambda device: reason)
-    monkeypatch.setattr(fp8_gemm, "fp8_unsupported_reason", lambda device: reason)
+    monkeypatch.setattr(grouped_gemm, "fp8_unsupported_reason", lambda device: reason)
     cuda = torch.device("cuda")
     for field in ("precision.linear", "precision.experts", "precision.lm_head"):
         config = tiny().with_overrides([f"{field}=fp8_rowwise"])
@@ -67,26 +67,24 @@ def test_fp8_accumulation_choice_reaches_every_fp8_product(monkeypatch, fast):
     """precision.fp8_fast_accum is what the expert GEMM of every MoE layer and every FP8 linear
     is built with (a GPU with FP8 tensor cores stood in for: nothing runs here)."""
     from moetrain.model.transformer import Transformer
-    from moetrain.moe import fp8_gemm
+    from moetrain.moe import grouped_gemm
     from moetrain.nn.attention import Attention
     from moetrain.train import build
 
     monkeypatch.setattr(build, "fp8_unsupported_reason", lambda device: None)
-    monkeypatch.setattr(fp8_gemm, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(grouped_gemm, "fp8_unsupported_reason", lambda device: None)
     config = tiny().with_overrides(
         [
             "precision.experts=fp8_rowwise",
             "precision.linear=fp8_rowwise",
             "precision.lm_head=fp8_rowwise",
             f"precision.fp8_fast_accum={str(fast).lower()}",
-            f"precision.fp8_expert_weight_grad={str(not fast).lower()}",
         ]
     )
     model = Transformer(config)
     build.apply_precision(model, config, torch.device("cuda"))
     gemms = [layer.experts.gemm for layer in model.moe_layers()]
     assert gemms and all(not g.emulated and g.use_fast_accum is fast for g in gemms)
-    assert all(g.fp8_weight_grad is (not fast) for g in gemms)
     assert all(layer.dispatcher.fp8_rows for layer in model.moe_layers())  # the fused MLP's
     attention = [m for m in model.modules() if isinstance(m, Attention)]
     assert attention and all(m.fp8 == "fp8" and m.fp8_fast_accum is fast for m in attention)

@@ -9,13 +9,9 @@ import torch
 
 from moetrain.kernels import quant
 from moetrain.moe.experts import grouped_mm_reference
-from moetrain.moe.fp8_gemm import (
-    BF16GroupedGemm,
-    FP8RowwiseGroupedGemm,
-    MXFP8EmulatedGroupedGemm,
-    fp8_unsupported_reason,
-    make_grouped_gemm,
-)
+from moetrain.moe.grouped_gemm import BF16GroupedGemm, FP8RowwiseGroupedGemm, make_grouped_gemm
+from moetrain.moe.mxfp8 import MXFP8EmulatedGroupedGemm
+from moetrain.nn.fp8 import fp8_unsupported_reason
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -91,7 +87,7 @@ def test_fp8_emulation_is_the_dequantized_product():
 def test_mxfp8_emulation_is_the_dequantized_product():
     x, w, offs, _ = problem(COUNTS, NUM_ROWS, D, F, seed=3)
     n = int(offs[-1])
-    y = MXFP8EmulatedGroupedGemm("cpu")(x, w, offs)
+    y = MXFP8EmulatedGroupedGemm()(x, w, offs)
     x_dq = quant.dequantize_mxfp8(*quant.quantize_mxfp8(x))
     w_dq = quant.dequantize_mxfp8(*quant.quantize_mxfp8(w.mT)).mT  # blocks along D
     torch.testing.assert_close(
@@ -136,19 +132,19 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="not a CUDA GPU"):
         FP8RowwiseGroupedGemm("cpu", emulate=False)
     x, w, offs, _ = problem([3, 5], 8, 64, 32)
-    for gemm in (BF16GroupedGemm(), FP8RowwiseGroupedGemm("cpu"), MXFP8EmulatedGroupedGemm("cpu")):
+    for gemm in (BF16GroupedGemm(), FP8RowwiseGroupedGemm("cpu"), MXFP8EmulatedGroupedGemm()):
         with pytest.raises(ValueError, match="int32"):
             gemm(x, w, offs.long())
         with pytest.raises(ValueError, match=r"expected x \(N, D\)"):
             gemm(x[:, :32], w, offs)
     with pytest.raises(ValueError, match="multiples of 32"):
-        MXFP8EmulatedGroupedGemm("cpu")(x[:, :48], w[:, :48], offs)
+        MXFP8EmulatedGroupedGemm()(x[:, :48], w[:, :48], offs)
     assert fp8_unsupported_reason(torch.device("cpu")) is not None
 
 
 def test_float64_inputs_use_the_loop():
     x, w, offs, g = problem([5, 0, 7], 16, 64, 32, dtype=torch.float64, seed=6)
-    for gemm in (BF16GroupedGemm(), FP8RowwiseGroupedGemm("cpu"), MXFP8EmulatedGroupedGemm("cpu")):
+    for gemm in (BF16GroupedGemm(), FP8RowwiseGroupedGemm("cpu"), MXFP8EmulatedGroupedGemm()):
         y, gx, gw = run(gemm, x, w, offs, g)
         y_ref, gx_ref, gw_ref = run(grouped_mm_reference, x, w, offs, g)
         assert rel(y, y_ref) < 5e-2 and rel(gx, gx_ref) < 5e-2 and rel(gw, gw_ref) < 5e-2
@@ -205,8 +201,8 @@ def test_fp8_rowwise_cuda_has_no_host_sync():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_mxfp8_emulation_cuda_matches_cpu():
     x, w, offs, g = problem(GPU_COUNTS, GPU_ROWS, 256, 128, seed=9)
-    cpu = run(MXFP8EmulatedGroupedGemm("cpu"), x, w, offs, g)
-    cuda = run(MXFP8EmulatedGroupedGemm("cuda"), x.cuda(), w.cuda(), offs.cuda(), g.cuda())
+    cpu = run(MXFP8EmulatedGroupedGemm(), x, w, offs, g)
+    cuda = run(MXFP8EmulatedGroupedGemm(), x.cuda(), w.cuda(), offs.cuda(), g.cuda())
     for a, b in zip(cuda, cpu, strict=True):
         assert rel(a.cpu(), b) < 1e-4  # same quantized operands, fp32 math on either device
 

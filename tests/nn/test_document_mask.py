@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from moetrain.nn.attention import Attention
-from moetrain.nn.documents import DocumentMask
+from moetrain.nn.document_mask import DocumentMask
 
 EOS = 7
 

@@ -37,7 +37,7 @@ BLOCK = 128  # FlexAttention's default sparse block size: the granularity of ski
 # The dense path on CUDA (the reference there) with a boolean mask: no fused kernel takes fp32
 # with GQA (cuDNN wants bf16/fp16, the memory-efficient one equal head counts), so math stays
 # allowed. On the CPU, where the dense path trains, the caller's choice stands (its flash kernel
-# takes the mask: 3.4x faster than math).
+# takes the mask, and is faster than math).
 _DENSE_CUDA_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,

@@ -5,7 +5,7 @@ without a host sync."""
 import pytest
 import torch
 
-from moetrain.nn.documents import DocumentMask
+from moetrain.nn.document_mask import DocumentMask
 from moetrain.presets import small
 
 pytestmark = pytest.mark.gpu
