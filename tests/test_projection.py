@@ -13,7 +13,7 @@ from moetrain.bench.timing import steady_rate, sustained_matmul
 from moetrain.cli import main
 from moetrain.model.flops import param_counts
 from moetrain.plan import calibration as cal
-from moetrain.plan import projection as J
+from moetrain.plan import compare as J
 from moetrain.plan.links import Links
 from moetrain.presets import get_preset
 
@@ -210,7 +210,7 @@ def test_bench_project_runs_end_to_end_on_cpu(tmp_path, capsys):
 
 
 def test_a_deep_model_is_timed_at_two_depths_and_extrapolated():
-    from moetrain.bench.project import measure_rank
+    from moetrain.bench.measure_rank import measure_rank
 
     config = get_preset("tiny").with_overrides(["model.num_layers=4"])
     measured, runs = measure_rank(config, 2, depths=(1, 2), steps=1, warmup=1, device="cpu")

@@ -180,7 +180,7 @@ def run_calibrate_and_project(args: argparse.Namespace, device) -> int:
     """--calibrate and/or --project (in that order); with --out, every table and file there."""
     from pathlib import Path
 
-    from moetrain.bench import calibrate, project
+    from moetrain.bench import calibrate, measure_rank
     from moetrain.plan import calibration
 
     out = Path(args.out) if args.out else None
@@ -217,7 +217,7 @@ def run_calibrate_and_project(args: argparse.Namespace, device) -> int:
         optimizer = "mixed" if args.optimizer == "both" else args.optimizer
         configs = [get_preset(n).with_overrides(args.set or []) for n in args.project_presets]
         say(f"\nprojection onto {args.gpus} GPUs ({optimizer}; compute measured on {device}):")
-        rows, _ = project.run_projection(
+        rows, _ = measure_rank.run_projection(
             configs,
             gpus=args.gpus,
             optimizer=optimizer,
@@ -227,6 +227,6 @@ def run_calibrate_and_project(args: argparse.Namespace, device) -> int:
             print_fn=say,
             **bench_kw,
         )
-        for line in project.ratios(rows):
+        for line in measure_rank.ratios(rows):
             say(line)
     return 0

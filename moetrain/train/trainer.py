@@ -86,7 +86,7 @@ class Trainer:
     ) -> None:
         """`model_transform` changes the parallelized model before it is materialized (on the
         meta device; with FSDP after): benchmarks use it to keep one rank's share of a larger
-        layout (`moetrain.bench.project`)."""
+        layout (`moetrain.bench.measure_rank`)."""
         config = resolve_eos_id(resolve_vocab_size(config))  # unset: from the tokenizer
         if config.train.wandb_project is not None:  # a missing package fails now, not at step 1
             import_wandb(config.train.wandb_project)

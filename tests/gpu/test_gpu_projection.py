@@ -9,7 +9,7 @@ import pytest
 
 from moetrain.cli import main
 from moetrain.plan import calibration as cal
-from moetrain.plan.projection import LAYOUTS
+from moetrain.plan.compare import LAYOUTS
 
 pytestmark = pytest.mark.gpu
 

@@ -5,11 +5,11 @@ What is measured (`measure_rank`): the model one rank runs, built and stepped by
 `moetrain bench` does (compiled blocks, the step a CUDA graph where supported, uniform random
 token ids, learned routing over all E experts): under expert parallelism the model with E / N
 experts a layer, whose `BalancedDispatcher` hands them the T K rows uniform routing would send
-the rank (moe/balanced.py); under FSDP2 the whole model. The step splits into forward + backward
+the rank (bench/balanced.py); under FSDP2 the whole model. The step splits into forward + backward
 and clip + optimizer by the eager phase events of the harness (`split_ms`), in proportion. A model
 too large for the GPU is timed at 1 and 2 layers and extrapolated linearly to its depth (its
 blocks are identical); `RankCompute.depths` says which. What the measurement lacks, the
-communication and the layout's own state, comes from moetrain.plan.projection (its docstring
+communication and the layout's own state, comes from moetrain.plan.compare (its docstring
 states the model and the overlap assumed).
 """
 
@@ -25,12 +25,10 @@ from typing import Any
 import torch
 
 from moetrain.bench import harness
+from moetrain.bench.balanced import BalancedDispatcher
 from moetrain.config import RunConfig
 from moetrain.dry_run import keep_local_experts
-from moetrain.moe.balanced import BalancedDispatcher
-from moetrain.plan.layout import GIB, GPUS
-from moetrain.plan.links import Links
-from moetrain.plan.projection import (
+from moetrain.plan.compare import (
     LAYOUTS,
     Projection,
     RankCompute,
@@ -39,6 +37,8 @@ from moetrain.plan.projection import (
     local_experts,
     project,
 )
+from moetrain.plan.layout import GIB, GPUS
+from moetrain.plan.links import Links
 
 REFERENCE = {
     "ratio": "2.7x (47B MoE, 8 B300: 52,000 vs 19,400 tokens/s/GPU)",
