@@ -59,6 +59,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         p.add_argument(flag, type=float, default=default, help=f"{what}: fraction of peak")
     p.add_argument("--nvlink-gbps", type=float, help="GB/s per direction per GPU in a node")
     p.add_argument("--internode-gbps", type=float, help="GB/s per GPU between nodes")
+    p.add_argument(
+        "--link-efficiency",
+        type=float,
+        default=_CLUSTER_DEFAULTS["link_efficiency"],
+        help="share of the datasheet link bandwidth NCCL collectives reach",
+    )
     p.add_argument("--overhead-gib", type=float, default=_CLUSTER_DEFAULTS["overhead_gib"])
     p.add_argument(
         "--calibration",
@@ -93,6 +99,7 @@ def run_plan(args: argparse.Namespace) -> int:
             memory_gib=args.gpu_memory,
             nvlink_gbps=args.nvlink_gbps,
             internode_gbps=args.internode_gbps,
+            link_efficiency=args.link_efficiency,
             matmul_efficiency=args.efficiency,
             grouped_efficiency=args.grouped_efficiency,
             attention_efficiency=args.attention_efficiency,
