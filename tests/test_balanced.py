@@ -10,7 +10,7 @@ from moetrain.bench.measure_rank import rank_transform
 from moetrain.model.transformer import Transformer
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.router import TopKRouter
-from moetrain.plan.compare import rank_model_params
+from moetrain.plan.rank_compute import rank_model_params
 from moetrain.presets import tiny
 
 

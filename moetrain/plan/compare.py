@@ -29,8 +29,8 @@ from typing import Any
 from moetrain.config import RunConfig
 from moetrain.model.flops import flops_per_token
 from moetrain.plan.fsdp import fsdp_memory, fsdp_transfers
-from moetrain.plan.layout import GIB, Layout, candidate_layouts
-from moetrain.plan.memory import precision_bytes, rank_params
+from moetrain.plan.layout import GIB, Cluster, Layout, candidate_layouts
+from moetrain.plan.memory import Memory, precision_bytes, rank_params
 from moetrain.plan.overlap import Pair, paired_s
 from moetrain.plan.rank_compute import (
     FSDP,
@@ -142,12 +142,7 @@ def resident_row(
     reduce_exposed = paired_s(window, reduce, pairs["fsdp_reduce_scatter"]) - window
     m = est.num_microbatches
     bubble = bubble_microbatches(layout) * microbatch
-    memory = est.peak_stage.memory
-    if not variant.sharded_optimizer:
-        total = est.peak_stage.params.total
-        memory = dataclasses.replace(
-            memory, grads=b.grad * total, optimizer=(b.master + b.moments) * total
-        )
+    memory = resident_memory(config, variant, est)
     return Row(
         variant=variant.name,
         gpu=cluster.gpu.name,
@@ -171,6 +166,40 @@ def resident_row(
         memory_limit=cluster.memory_bytes,
         flops_per_token=flops_per_token(config),
     )
+
+
+def resident_memory(config: RunConfig, variant: Variant, est: Estimate) -> Memory:
+    """The peak stage's bytes: ShardedAdamW's (the planner's), or the replicated AdamW's whole
+    master and moments with GradientSync's buffers (accumulate mode: `precision.grad_dtype`)."""
+    memory = est.peak_stage.memory
+    if variant.sharded_optimizer:
+        return memory
+    b, total = precision_bytes(config), est.peak_stage.params.total
+    return dataclasses.replace(
+        memory, grads=b.grad * total, optimizer=(b.master + b.moments) * total
+    )
+
+
+def layout_memory(
+    config: RunConfig, variant: Variant, layout: Layout, cluster: Cluster, expert_load: float
+) -> Memory:
+    """What a rank of `variant` holds at `layout` (one micro-batch a step), by the models the
+    rows use: for checking them against a measured peak (bench's multirank memory check)."""
+    if variant.fsdp:
+        reduce_bytes = 4 if variant.reduce == "fp32" else 2
+        return fsdp_memory(
+            config,
+            layout,
+            layout.dp,
+            reshard=variant.reshard,
+            reduce_bytes=reduce_bytes,
+            overhead=int(cluster.overhead_gib * GIB),
+            activation_factor=cluster.activation_factor,
+        )
+    setting = Setting(cluster=cluster, expert_load=expert_load)
+    cfg = resident_config(config, variant, setting, layout.ep)
+    tokens = layout.micro_batch_size * config.train.seq_len * layout.dp
+    return resident_memory(config, variant, estimate(cfg, cluster, layout, tokens))
 
 
 def fsdp_row(config: RunConfig, variant: Variant, setting: Setting, layout: Layout) -> Row:
