@@ -194,11 +194,23 @@ def eager_peak_bytes(config: RunConfig, num_local: int) -> float:
 
 
 def measure_preset(
-    config: RunConfig, gpus: int, *, fsdp: bool = True, optimizer: str = "mixed", **bench_kw: Any
+    config: RunConfig,
+    gpus: int,
+    *,
+    fsdp: bool = True,
+    optimizer: str = "mixed",
+    print_fn: Callable[[str], None] = print,
+    **bench_kw: Any,
 ) -> tuple[dict[str, RankCompute], dict[str, Any]]:
-    """The resident rank's and (with `fsdp`) the whole model's compute, and the dispatcher's
-    costs at the rank's shapes. Returns ({"resident", "fsdp"}: RankCompute, the record)."""
-    measured, record = {}, {}
+    """The dispatcher's costs at the rank's shapes, the resident rank's and (with `fsdp`) the
+    whole model's compute, each printed as it is measured. Returns ({"resident", "fsdp"}:
+    RankCompute, the record)."""
+    device = torch.device(bench_kw.get("device") or "cuda")
+    local, no_sync = dispatch_cost.index_work_s(config, gpus, 1.25, device)
+    costs = {"balanced_s": local, "no_sync_s": no_sync}
+    record = {"dispatcher": costs | {"host_sync_s": dispatch_cost.host_sync_s(config, device)}}
+    print_fn(f"{config.name} dispatcher at ep {gpus}: {record['dispatcher']}")
+    measured = {}
     kinds = {"resident": False, "fsdp": True} if fsdp else {"resident": False}
     for key, whole in kinds.items():
         num_local = rank_experts(config, gpus, whole)
@@ -208,13 +220,7 @@ def measure_preset(
             "rank_compute": dataclasses.asdict(m),
             "runs": [dataclasses.asdict(r) for r in results],
         }
-    device = torch.device(bench_kw.get("device") or "cuda")
-    local, no_sync = dispatch_cost.index_work_s(config, gpus, 1.25, device)
-    record["dispatcher"] = {
-        "balanced_s": local,
-        "no_sync_s": no_sync,
-        "host_sync_s": dispatch_cost.host_sync_s(config, device),
-    }
+        print_fn(f"{config.name} {key} rank ({num_local} experts a layer): {m}")
     return measured, record
 
 
@@ -273,7 +279,7 @@ def run_projection(
     for config in presets:
         scale_series = config.name.startswith("scale-E")
         measured, rec = measure_preset(
-            config, gpus, fsdp=not scale_series, optimizer=optimizer, **bench_kw
+            config, gpus, fsdp=not scale_series, optimizer=optimizer, print_fn=say, **bench_kw
         )
         entry = record["presets"][config.name] = {"measurements": rec, "rows": {}}
         variants = RESIDENT[:1] if scale_series else (*RESIDENT, *FSDP)

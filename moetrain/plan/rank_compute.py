@@ -15,6 +15,7 @@ dispatcher's measured index work and host sync per MoE layer. Nothing here impor
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from moetrain.config import RunConfig
@@ -163,10 +164,20 @@ def resident_config(config: RunConfig, variant: Variant, setting: Setting, ep: i
     """The config the planner sees for a resident row: its dispatch payload, and under EP
     buffers of `expert_load` x T K rows (NoSync's capacity blocks carry the busiest rank's
     load, for the exact-split dispatcher too)."""
-    sets = [f"precision.dispatch={variant.dispatch}"]
-    if ep > 1:
-        sets += ["moe.dispatcher=no_sync", f"moe.capacity_factor={setting.expert_load}"]
-    return config.with_overrides(sets)
+    load = setting.expert_load if ep > 1 else None
+    return _with_dispatch(config, variant.dispatch, "no_sync" if load else None, load)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_dispatch(
+    config: RunConfig, payload: str, dispatcher: str | None, capacity_factor: float | None
+) -> RunConfig:
+    """`config` with precision.dispatch and (unless None) moe.dispatcher and its capacity."""
+    precision = dataclasses.replace(config.precision, dispatch=payload)
+    moe = config.moe
+    if dispatcher is not None:
+        moe = dataclasses.replace(moe, dispatcher=dispatcher, capacity_factor=capacity_factor)
+    return dataclasses.replace(config, precision=precision, moe=moe)
 
 
 def roofline_compute(est_stage, load: float) -> Compute:
@@ -178,6 +189,12 @@ def roofline_compute(est_stage, load: float) -> Compute:
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _roof(config: RunConfig, cluster: Cluster, layout: Layout) -> Compute:
+    """The roofline's compute of one micro-batch of `layout` (a sweep reuses each many times)."""
+    return roofline_compute(stage_estimate(config, cluster, layout, 0, 1), 1.0)
+
+
 def measured_compute(
     config: RunConfig, setting: Setting, variant: Variant, layout: Layout
 ) -> Compute:
@@ -186,10 +203,10 @@ def measured_compute(
     cluster = dataclasses.replace(setting.cluster, gpu=GPUS[measured.gpu])
     mb = measured.tokens // config.train.seq_len
     at = dataclasses.replace(layout, micro_batch_size=mb, activation_checkpointing="none", pp=1)
-    base = config if variant.fsdp else config.with_overrides(["moe.dispatcher=all_to_all"])
-    anchor = roofline_compute(stage_estimate(base, cluster, at, 0, 1), 1.0)
+    base = config if variant.fsdp else _with_dispatch(config, variant.dispatch, "all_to_all", None)
+    anchor = _roof(base, cluster, at)
     here = config if variant.fsdp else resident_config(config, variant, setting, layout.ep)
-    ref = roofline_compute(stage_estimate(here, cluster, layout, 0, 1), 1.0)
+    ref = _roof(here, cluster, layout)
     fb = measured.forward_backward_s
     shares = measured.shares or _shares(anchor)
     load = 1.0 if variant.fsdp else setting.expert_load
