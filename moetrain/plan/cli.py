@@ -26,6 +26,7 @@ from moetrain.plan.search import Estimate, plan
 from moetrain.presets import load_config as layered_config
 
 _CLUSTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Cluster)}
+COMPARE_INTERNODE_GBPS = 50.0  # --compare-fsdp without --internode-gbps: 400 Gb/s per GPU
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -178,6 +179,8 @@ def run_compare(
     from moetrain.plan.overlap import overlap_from
     from moetrain.plan.rank_compute import FSDP, RESIDENT, Setting, global_batch_tokens
 
+    if args.internode_gbps is None:  # the comparison's default network: 400 Gb/s per GPU
+        cluster = dataclasses.replace(cluster, internode_gbps=COMPARE_INTERNODE_GBPS)
     setting = Setting(
         cluster=cluster,
         global_batch_tokens=args.global_batch_tokens or global_batch_tokens(config),
