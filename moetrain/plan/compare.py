@@ -115,10 +115,10 @@ def resident_row(
     row's config: `resident_config`)."""
     cluster, pairs = setting.cluster, setting.overlap.pairs
     stage = max(est.stages, key=lambda s: s.microbatch_s)
-    roof = roofline_compute(stage, setting.expert_load if layout.ep > 1 else 1.0)
     if setting.measured:
         compute = measured_compute(config, setting, variant, layout)
     else:
+        roof = roofline_compute(stage, setting.expert_load if layout.ep > 1 else 1.0)
         tokens = layout.micro_batch_size * config.train.seq_len
         index, sync = dispatcher_s(config, setting, variant, layout, tokens)
         compute = dataclasses.replace(roof, memory=roof.memory + index, idle=sync)
