@@ -14,6 +14,11 @@ run --preset olmoe-1b-7b --optimizer mixed --set parallel.ep="$N" --set moe.disp
   --set moe.capacity_factor=1.25
 run --preset olmoe-1b-7b --optimizer mixed --set parallel.ep="$N" --set moe.dispatcher=all_to_all
 run --preset olmoe-1b-7b --optimizer mixed --set parallel.data_parallel=fsdp
+# the FSDP2 variants the projection compares (docs/plan.md): one gather a micro-batch, bf16 reduce
+run --preset olmoe-1b-7b --optimizer mixed --set parallel.data_parallel=fsdp \
+  --set parallel.fsdp_reshard=backward
+run --preset olmoe-1b-7b --optimizer mixed --set parallel.data_parallel=fsdp \
+  --set precision.grad_dtype=bf16
 # distributed optimizer
 run --preset olmoe-1b-7b --optimizer mixed --set parallel.ep="$N" --set train.optimizer=sharded
 # expert scaling 8 -> 128 experts at top-4 with ep = number of GPUs

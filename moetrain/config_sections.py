@@ -152,6 +152,15 @@ class ParallelConfig:
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     pp_microbatches: int | None = None  # None: the number of gradient-accumulation steps
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    # fsdp: when a block's gathered parameters are freed. forward: after its forward and again
+    # after its backward (two all-gathers a micro-batch); backward: after its backward (one);
+    # step: after the step's last backward (one all-gather and one reduce-scatter a step, the
+    # whole parameters and unreduced gradients held between micro-batches)
+    fsdp_reshard: Literal["forward", "backward", "step"] = "forward"
+    # fsdp: shard within groups of this many consecutive ranks (a node) and replicate across
+    # them (HSDP; gradients reduce-scatter inside a group, then all-reduce across groups);
+    # None: shard over all dp ranks
+    fsdp_shard_size: int | None = None
     activation_checkpointing: Literal["none", "moe", "full"] = "none"
     compile: bool | None = None  # torch.compile each block; None: on for CUDA, off on CPU
     # process-group backend. auto: nccl on CUDA, gloo on CPU. gloo on CUDA lets several ranks
@@ -161,10 +170,11 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         s = "parallel"
-        _positive(s, self, "dp", "ep", "pp", "pp_microbatches")
+        _positive(s, self, "dp", "ep", "pp", "pp_microbatches", "fsdp_shard_size")
         _choice(s, self, "backend", ("auto", "nccl", "gloo"))
         _choice(s, self, "pp_schedule", ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
         _choice(s, self, "data_parallel", ("ddp", "fsdp"))
+        _choice(s, self, "fsdp_reshard", ("forward", "backward", "step"))
         _choice(s, self, "activation_checkpointing", ("none", "moe", "full"))
 
     def compiles(self, device_type: str) -> bool:

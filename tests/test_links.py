@@ -13,8 +13,9 @@ def test_collectives_inside_one_node():
     assert links.all_reduce_s(GB, 8) == pytest.approx(2 * 7 / 8 / 450)
     assert links.reduce_scatter_s(GB, 8) == pytest.approx(7 / 8 / 450)
     assert links.all_gather_s(GB, 8) == links.reduce_scatter_s(GB, 8)
-    # all-to-all: 1/8 of the payload stays, 7/8 goes over NVLink
-    assert links.all_to_all_s(GB, 8) == pytest.approx(7 / 8 / 450)
+    # all-to-all: 1/8 of the payload stays, 7/8 goes over NVLink, in messages of GB / 8 a peer
+    rate = (GB / 8) / (GB / 8 + 2**20)
+    assert links.all_to_all_s(GB, 8) == pytest.approx(7 / 8 / 450 / rate)
     assert links.all_reduce_s(GB, 1) == links.all_to_all_s(GB, 1) == 0.0
 
 
@@ -36,4 +37,13 @@ def test_groups_spanning_nodes():
     assert split_collective(GB, 2, 8, 8) == pytest.approx((0.0, GB / 2))
     # all-to-all over 16: 7/16 to node-mates, 8/16 to the other node, both links at once
     assert split_all_to_all(GB, 16, 8) == pytest.approx((7 / 16 * GB, 8 / 16 * GB))
-    assert links.all_to_all_s(GB, 16) == pytest.approx(max(7 / 16 / 450, 8 / 16 / 50))
+    rate = (GB / 16) / (GB / 16 + 2**20)
+    assert links.all_to_all_s(GB, 16) == pytest.approx(max(7 / 16 / 450, 8 / 16 / 50) / rate)
+
+
+def test_small_all_to_all_messages_run_below_the_collectives_rate():
+    links = Links(nvlink_gbps=450, internode_gbps=50, latency_us=0, half_rate_bytes=2**20)
+    # 8 MiB over 8 ranks: 1 MiB messages, half the rate; 8 GiB: 1 GiB messages, 0.1% short
+    assert links.all_to_all_s(8 * 2**20, 8) == pytest.approx(2 * 7 / 8 * 8 * 2**20 / 450e9)
+    big = links.all_to_all_s(8 * 2**30, 8)
+    assert big == pytest.approx(7 / 8 * 8 * 2**30 / 450e9 * (1 + 2**20 / 2**30))

@@ -1,5 +1,4 @@
-"""The 8-GPU projection: its communication and state arithmetic by hand, the depth
-extrapolation, the reference-shaped preset, the calibration file and the planner's use of it,
+"""The 8-GPU projection's measurement side: the depth extrapolation, the reference-shaped preset, the calibration file and the planner's use of it,
 and `moetrain bench --project` end to end on the CPU (timings meaningless there)."""
 
 import argparse
@@ -9,89 +8,25 @@ import json
 import pytest
 
 from moetrain import plan as P
+from moetrain.bench.measure_rank import extrapolate
 from moetrain.bench.timing import steady_rate, sustained_matmul
 from moetrain.cli import main
 from moetrain.model.flops import param_counts
 from moetrain.plan import calibration as cal
-from moetrain.plan import projection as J
 from moetrain.plan.links import Links
+from moetrain.plan.rank_compute import FSDP, RESIDENT, rank_experts
 from moetrain.presets import get_preset
 
 LINKS = Links(nvlink_gbps=450, internode_gbps=50, latency_us=0)
 
 
-def test_ep_communication_by_hand():
-    config = get_preset("olmoe-1b-7b")  # T = 4 x 4096, K = 8, D = 2048, 16 MoE layers
-    T, K, D, L = 4 * 4096, 8, 2048, 16
-    terms = {t.name: t for t in J.comm_terms(config, "ep-replicated", 8, LINKS)}
-    # four exchanges of T K D bf16 values a layer, 7/8 of each over NVLink
-    a2a = 4 * L * T * K * D * 2 * 7 / 8 / 450e9
-    assert terms["all-to-alls"].seconds == pytest.approx(a2a)
-    assert terms["all-to-alls"].hidden_by == "none"
-    # the dense gradients all-reduced in fp32 over 8; experts have one replica each at ep 8
-    dense = param_counts(config).dense
-    assert terms["gradient all-reduce"].seconds == pytest.approx(2 * 7 / 8 * 4 * dense / 450e9)
-    sharded = {t.name: t for t in J.comm_terms(config, "ep-sharded", 8, LINKS)}
-    assert sharded["gradient reduce-scatter"].seconds == pytest.approx(7 / 8 * 4 * dense / 450e9)
-    assert sharded["parameter all-gather"].seconds == pytest.approx(7 / 8 * 2 * dense / 450e9)
-    # two micro-batches: twice the exchanges, the same gradient sync
-    two = {t.name: t for t in J.comm_terms(config, "ep-replicated", 8, LINKS, microbatches=2)}
-    assert two["all-to-alls"].seconds == pytest.approx(2 * a2a)
-    assert two["gradient all-reduce"].seconds == terms["gradient all-reduce"].seconds
-
-
-def test_fsdp2_communication_by_hand():
-    config = get_preset("ref-47b")
-    lp = P.layer_params(config)
-    terms = {t.name: t.seconds for t in J.comm_terms(config, "fsdp2", 8, LINKS)}
-    gather = 20 * lp.moe_layer.total * 2 * 7 / 8 / 450e9  # bf16 blocks, 20 layers
-    assert terms["forward all-gathers"] == pytest.approx(gather)
-    assert terms["backward all-gathers"] == pytest.approx(gather)
-    assert terms["gradient reduce-scatters"] == pytest.approx(gather)  # bf16 gradients
-    assert terms["root all-gather (first, exposed)"] == pytest.approx(
-        lp.outside.total * 2 * 7 / 8 / 450e9
-    )
-
-
-def test_overlap_and_state_of_the_projection():
-    config = get_preset("olmoe-1b-7b")
-    measured = J.RankCompute(forward_backward_s=0.3, optimizer_s=0.03, peak_bytes=40 * P.GIB)
-    rep = J.project(config, "ep-replicated", 8, measured, LINKS)
-    comm = {t.name: t.seconds for t in rep.comm}
-    assert rep.compute_s == pytest.approx(0.33)
-    assert rep.no_overlap_s == pytest.approx(0.33 + sum(comm.values()))
-    # the all-reduce hides in the backward (0.2 s), the all-to-alls do not
-    assert rep.overlapped_s == pytest.approx(0.33 + comm["all-to-alls"])
-    b = P.precision_bytes(config)
-    dense, experts = J.rank_model_params(config, 8)
-    ep_saved = 16 * 2 * 4 * 4096 * 8 * 2048  # the EP combine keeps a T K D a layer
-    assert rep.peak_bytes == pytest.approx(40 * P.GIB + 4 * (dense + experts) + ep_saved)
-    # sharded: the update covers 1/8 of the dense parameters and every local expert
-    sh = J.project(config, "ep-sharded", 8, measured, LINKS)
-    share = (dense / 8 + experts) / (dense + experts)
-    assert sh.compute_s == pytest.approx(0.3 + 0.03 * share)
-    assert sh.peak_bytes < rep.peak_bytes
-    # FSDP2: 1/8 of the update and of the state, plus two gathered blocks
-    fs = J.project(config, "fsdp2", 8, measured, LINKS)
-    total = param_counts(config).total
-    per = 2 * b.param + b.master + b.moments  # FSDP2's gradients have the parameters' dtype
-    block = P.layer_params(config).moe_layer.total
-    assert fs.compute_s == pytest.approx(0.3 + 0.03 / 8)
-    assert fs.peak_bytes == pytest.approx(
-        40 * P.GIB - per * total * 7 / 8 + 2 * block * 2 * b.param
-    )
-    assert fs.tokens_per_s() == pytest.approx(4 * 4096 / fs.overlapped_s)
-
-
 def test_layer_extrapolation_and_bad_layouts():
-    assert J.extrapolate((1, 2), [5.0, 7.0], 16) == pytest.approx(35.0)
-    assert J.extrapolate((16,), [3.0], 16) == 3.0
+    assert extrapolate((1, 2), [5.0, 7.0], 16) == pytest.approx(35.0)
+    assert extrapolate((16,), [3.0], 16) == 3.0
     with pytest.raises(ValueError, match="must be the model"):
-        J.extrapolate((4,), [3.0], 16)
-    with pytest.raises(ValueError, match="layout"):
-        J.local_experts(get_preset("small"), "tp", 8)
+        extrapolate((4,), [3.0], 16)
     with pytest.raises(ValueError, match="must divide moe.num_experts"):
-        J.local_experts(get_preset("small"), "ep-replicated", 3)
+        rank_experts(get_preset("small"), 3, fsdp=False)
 
 
 def test_reference_shaped_preset_and_the_scale_series():
@@ -194,23 +129,38 @@ def test_plan_reads_the_calibration_file_and_says_so(tmp_path, monkeypatch, caps
 
 
 def test_bench_project_runs_end_to_end_on_cpu(tmp_path, capsys):
-    """tiny on 4 'GPUs': two rank models (2 experts a layer; all 8) timed on the CPU and
-    projected under both link models, written to --out."""
-    argv = ["bench", "--project", "--project-presets", "tiny", "--gpus", "4"]
+    """tiny on 4 'GPUs': two rank models (2 experts a layer; all 8) timed on the CPU, the
+    dispatcher's costs, every variant projected on the 'measuring' GPU's and the B300's links,
+    written to --out (timings meaningless on the CPU)."""
+    argv = [
+        "bench",
+        "--project",
+        "--project-presets",
+        "tiny",
+        "--gpus",
+        "4",
+        "--expert-load",
+        "1.5",
+    ]
     assert main([*argv, "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| tiny | ep-replicated | 4 | h200 |" in out and "| tiny | fsdp2 | 4 | b300 |" in out
-    assert "ep-replicated / fsdp2" in out
-    record = json.loads((tmp_path / "projection.json").read_text())
-    assert {(r["layout"], r["links"]) for r in record["rows"]} == {
-        (lay, link) for lay in J.LAYOUTS for link in ("h200", "b300")
+    assert "| resident | 4 x h200 | pp 1, dp 4, ep 4 |" in out and "| fsdp2 | 4 x b300 |" in out
+    assert "1.5 x T K rows" in out and "reference fsdp2" in out and "| 2.5 |" in out
+    record = json.loads((tmp_path / "projection.json").read_text())["presets"]["tiny"]
+    assert set(record["measurements"]) == {
+        "tiny 2 experts/layer",
+        "tiny 8 experts/layer",
+        "dispatcher",
     }
-    assert set(record["measurements"]) == {"tiny 2 experts/layer", "tiny 8 experts/layer"}
-    assert (tmp_path / "report.md").read_text().count("| tiny |") == 6
+    for gpu in ("h200", "b300"):
+        best = record["rows"][gpu]["best"]
+        assert set(best) == {v.name for v in (*RESIDENT, *FSDP) if not v.hsdp}
+        assert all(row["pp"] == 1 and row["tokens_per_s_per_gpu"] > 0 for row in best.values())
+    assert (tmp_path / "report.md").read_text().count("| resident |") == 2
 
 
 def test_a_deep_model_is_timed_at_two_depths_and_extrapolated():
-    from moetrain.bench.project import measure_rank
+    from moetrain.bench.measure_rank import measure_rank
 
     config = get_preset("tiny").with_overrides(["model.num_layers=4"])
     measured, runs = measure_rank(config, 2, depths=(1, 2), steps=1, warmup=1, device="cpu")

@@ -21,7 +21,7 @@ import datetime
 import torch
 import torch.nn.functional as F
 
-from moetrain.bench.project import fresh_compile
+from moetrain.bench.measure_rank import fresh_compile
 from moetrain.bench.timing import kernel_ms, matmul_tflops, sustained_matmul
 from moetrain.config import RunConfig
 from moetrain.model.flops import flops_per_token
@@ -114,7 +114,7 @@ def attention_tflops(config: RunConfig, device: torch.device) -> float:
 
 def activation_factor(config: RunConfig, device: torch.device) -> float:
     """Bytes a compiled block keeps for backward over plan.memory's count of them."""
-    from moetrain.bench.project import with_layers
+    from moetrain.bench.measure_rank import with_layers
     from moetrain.model.transformer import Transformer
 
     one = with_layers(config, 1)

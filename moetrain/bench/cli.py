@@ -37,8 +37,7 @@ def add_bench_parser(sub) -> None:
         "--micro-batches",
         type=int,
         default=1,
-        help="micro-batches per timed step (gradient accumulation; 1: the peers' setting); with "
-        "--project, per rank and step",
+        help="micro-batches per timed step (gradient accumulation; 1: the peers' setting)",
     )
     p.add_argument("--compare", choices=["hf", "hf-compiled"], action="append", default=[])
     p.add_argument(
@@ -62,16 +61,28 @@ def add_bench_parser(sub) -> None:
     g.add_argument(
         "--project",
         action="store_true",
-        help="project --project-presets onto --gpus GPUs: one rank's compute measured here, "
-        "communication from the H200 and B300 link models",
+        help="resident experts against FSDP2 on --gpus GPUs of this kind and B300s: one rank's "
+        "compute measured here, the rest from moetrain.plan.compare (docs/plan.md)",
     )
     g.add_argument("--project-presets", nargs="+", default=PROJECT_PRESETS, metavar="PRESET")
     g.add_argument("--gpus", type=int, default=8)
     g.add_argument(
         "--link-efficiency",
         type=float,
-        default=1.0,
-        help="share of the datasheet link bandwidth collectives reach",
+        default=0.8,
+        help="share of the datasheet link bandwidth NCCL collectives reach",
+    )
+    g.add_argument("--overlap", help="measured overlap pairs (default: benchmarks/overlap.json)")
+    g.add_argument(
+        "--expert-load",
+        type=float,
+        default=1.25,
+        help="the busiest rank's expert rows over the mean (capacity factor or measured)",
+    )
+    g.add_argument(
+        "--compute-scale",
+        type=float,
+        help="speed of the B300 rows' compute over the measured (default: datasheet ratios)",
     )
     g.add_argument("--out", help="write calibration, check and projection files here")
     p.set_defaults(func=run_bench)
@@ -180,8 +191,9 @@ def run_calibrate_and_project(args: argparse.Namespace, device) -> int:
     """--calibrate and/or --project (in that order); with --out, every table and file there."""
     from pathlib import Path
 
-    from moetrain.bench import calibrate, project
+    from moetrain.bench import calibrate, measure_rank
     from moetrain.plan import calibration
+    from moetrain.plan.overlap import overlap_from
 
     out = Path(args.out) if args.out else None
     report: list[str] = []
@@ -217,16 +229,16 @@ def run_calibrate_and_project(args: argparse.Namespace, device) -> int:
         optimizer = "mixed" if args.optimizer == "both" else args.optimizer
         configs = [get_preset(n).with_overrides(args.set or []) for n in args.project_presets]
         say(f"\nprojection onto {args.gpus} GPUs ({optimizer}; compute measured on {device}):")
-        rows, _ = project.run_projection(
+        measure_rank.run_projection(
             configs,
             gpus=args.gpus,
             optimizer=optimizer,
-            microbatches=args.micro_batches,
             out_dir=str(out) if out is not None else None,
             efficiency=args.link_efficiency,
+            overlap=overlap_from(args.overlap),
+            expert_load=args.expert_load,
+            compute_scale=args.compute_scale,
             print_fn=say,
             **bench_kw,
         )
-        for line in project.ratios(rows):
-            say(line)
     return 0

@@ -17,20 +17,24 @@ protocol of optim/grad_buckets.py). `finish()` launches what backward did not, w
             loss_fn(micro_batch).backward()
     sync.finish()          # then clip, optimizer.step(), zero_grad()
 
-`apply_fsdp` is the FSDP2 baseline: fully_shard on each block and the root over dp; under expert
-parallelism each experts module is sharded over edp with gradient divide factor dp.
+`apply_fsdp` is the FSDP2 baseline: fully_shard on each block and the root over dp (or HSDP);
+under expert parallelism each experts module is sharded over edp with gradient divide factor dp.
+`FSDPAccumulation` keeps it gathered between micro-batches (`parallel.fsdp_reshard` step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from moetrain.config import RunConfig
 from moetrain.moe.layer import MoELayer
 from moetrain.optim.grad_buckets import BucketedGrads, GradBucket, split_into_buckets
 from moetrain.parallel.expert import is_expert_param
@@ -145,15 +149,71 @@ def all_reduce_stats(
     return tensors
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
-    """FSDP2 baseline: shard every block, then the root (embedding, final norm, head), over dp.
-    Expert weights differ across ep ranks, so each experts module is sharded over edp on its
-    own, with gradient divide factor dp (sum over edp, divide by dp, as in GradientSync)."""
+def apply_fsdp(model: nn.Module, dims: ParallelDims, config: RunConfig) -> None:
+    """FSDP2 baseline: shard every block, then the root (embedding, final norm, head), over dp,
+    or HSDP over `parallel.fsdp_shard_size`. Blocks reshard as `parallel.fsdp_reshard` says
+    (the root keeps FSDP2's own choice: whole from forward to backward); gradients are reduced
+    in `precision.grad_dtype` (a MixedPrecisionPolicy reduce dtype: the shards FSDP hands back
+    keep the parameters' dtype). Expert weights differ across ep ranks, so each experts module is
+    sharded over edp on its own, with gradient divide factor dp (sum over edp, divide by dp, as
+    in GradientSync)."""
     if dims.dp == 1:
         return
+    p = config.parallel
+    reduce_dtype = torch.float32 if config.precision.grad_dtype == "fp32" else None
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    mesh = fsdp_mesh(dims, p.fsdp_shard_size)
+    reshard = p.fsdp_reshard == "forward"
     for block in model.blocks.values():
         if isinstance(block.ffn, MoELayer) and dims.ep > 1:
-            fully_shard(block.ffn.experts, mesh=dims.mesh["edp"])
-            block.ffn.experts.set_gradient_divide_factor(float(dims.dp))
-        fully_shard(block, mesh=dims.dp_mesh)
-    fully_shard(model, mesh=dims.dp_mesh)
+            experts = block.ffn.experts
+            fully_shard(
+                experts, mesh=dims.mesh["edp"], reshard_after_forward=reshard, mp_policy=policy
+            )
+            experts.set_gradient_divide_factor(float(dims.dp))
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def fsdp_mesh(dims: ParallelDims, shard_size: int | None) -> DeviceMesh:
+    """The dp ranks' mesh for FSDP2: one axis, or (replicate, shard) for HSDP with shards of
+    `shard_size` consecutive ranks (a node's GPUs when it is the node size)."""
+    if shard_size is None or shard_size == dims.dp:
+        return dims.dp_mesh
+    if dims.dp % shard_size:
+        raise ValueError(
+            f"parallel.fsdp_shard_size ({shard_size}) must divide parallel.dp ({dims.dp})"
+        )
+    if dims.ep > 1:
+        raise ValueError(
+            f"parallel.fsdp_shard_size ({shard_size}) with parallel.ep ({dims.ep}): HSDP shards "
+            "the dense weights only at ep 1 (the experts would need a mesh of their own); "
+            "drop one of them"
+        )
+    shape = (dims.dp // shard_size, shard_size)
+    return init_device_mesh(dims.device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+class FSDPAccumulation:
+    """`parallel.fsdp_reshard` step: during the gradient-accumulation micro-steps (`no_sync`)
+    the FSDP2 model keeps its gathered parameters and accumulates whole gradients, unreduced;
+    the step's last backward reduces and reshards. The `no_sync()` / `finish()` of
+    GradientSync, for the optimizer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._last_backward(False)
+        try:
+            yield
+        finally:
+            self._last_backward(True)
+
+    def _last_backward(self, last: bool) -> None:
+        self.model.set_requires_gradient_sync(last)
+        self.model.set_reshard_after_backward(last)
+
+    def finish(self) -> None:
+        """Nothing left: the last backward reduced the gradients."""

@@ -58,7 +58,7 @@ def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Tr
     if compile_blocks:
         apply_compile(model)
     if config.parallel.data_parallel == "fsdp":
-        apply_fsdp(model, dims)
+        apply_fsdp(model, dims, config)
     return model
 
 

@@ -7,7 +7,7 @@ imported, so plans for trillion-parameter models take milliseconds. One concept 
 depending only on those before it: `links` (collective times over NVLink and the network),
 `layout` (GPUs, cluster, layouts, rank placement, enumeration), `memory` (bytes per GPU), `timing`
 (one stage's time and traffic), `search` (step estimates and ranking), `calibration` (measured
-rates that replace the datasheet's), `projection` (the N-GPU projection's arithmetic around one
+rates that replace the datasheet's), `compare` (the N-GPU projection's arithmetic around one
 rank's measured compute), `cli` (the command). docs/plan.md states the model and its assumptions.
 """
 

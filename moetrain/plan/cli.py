@@ -26,6 +26,7 @@ from moetrain.plan.search import Estimate, plan
 from moetrain.presets import load_config as layered_config
 
 _CLUSTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Cluster)}
+COMPARE_INTERNODE_GBPS = 50.0  # --compare-fsdp without --internode-gbps: 400 Gb/s per GPU
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,6 +60,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         p.add_argument(flag, type=float, default=default, help=f"{what}: fraction of peak")
     p.add_argument("--nvlink-gbps", type=float, help="GB/s per direction per GPU in a node")
     p.add_argument("--internode-gbps", type=float, help="GB/s per GPU between nodes")
+    p.add_argument(
+        "--link-efficiency",
+        type=float,
+        default=_CLUSTER_DEFAULTS["link_efficiency"],
+        help="share of the datasheet link bandwidth NCCL collectives reach",
+    )
     p.add_argument("--overhead-gib", type=float, default=_CLUSTER_DEFAULTS["overhead_gib"])
     p.add_argument(
         "--calibration",
@@ -66,6 +73,21 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "~/.cache/moetrain/calibration-<gpu>.json when it exists); they replace the efficiencies",
     )
     p.add_argument("--no-calibration", action="store_true", help="datasheet-derived rates only")
+    g = p.add_argument_group("resident experts against FSDP2 (docs/plan.md)")
+    g.add_argument(
+        "--compare-fsdp",
+        action="store_true",
+        help="each resident-expert and FSDP2/HSDP variant at its best micro-batch and "
+        "checkpointing that fits (the global batch: the config's, else 4M tokens)",
+    )
+    g.add_argument("--overlap", help="measured overlap pairs (default: benchmarks/overlap.json)")
+    g.add_argument(
+        "--expert-load",
+        type=float,
+        default=1.25,
+        help="the busiest rank's expert rows over the mean: a capacity factor or a measured "
+        "imbalance",
+    )
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_plan)
@@ -93,6 +115,7 @@ def run_plan(args: argparse.Namespace) -> int:
             memory_gib=args.gpu_memory,
             nvlink_gbps=args.nvlink_gbps,
             internode_gbps=args.internode_gbps,
+            link_efficiency=args.link_efficiency,
             matmul_efficiency=args.efficiency,
             grouped_efficiency=args.grouped_efficiency,
             attention_efficiency=args.attention_efficiency,
@@ -100,6 +123,8 @@ def run_plan(args: argparse.Namespace) -> int:
             overhead_gib=args.overhead_gib,
         )
         cluster, calibrated = apply_calibration(args, cluster, config.name)
+        if args.compare_fsdp:
+            return run_compare(args, config, cluster, calibrated)
         tokens = args.global_batch_tokens or default_global_batch_tokens(config, args.gpus)
         estimates = plan(
             config,
@@ -142,6 +167,39 @@ def run_plan(args: argparse.Namespace) -> int:
     if calibrated:
         print(f"calibrated: {calibrated}")
     _print_table(config, cluster, tokens, estimates, best, counts)
+    return 0
+
+
+def run_compare(
+    args: argparse.Namespace, config: RunConfig, cluster: Cluster, calibrated: str | None
+) -> int:
+    """--compare-fsdp: every variant's best point, the answer, the sweep in --json."""
+    from moetrain.plan import compare_report as report
+    from moetrain.plan.compare import best, sweep
+    from moetrain.plan.overlap import overlap_from
+    from moetrain.plan.rank_compute import FSDP, RESIDENT, Setting, global_batch_tokens
+
+    if args.internode_gbps is None:  # the comparison's default network: 400 Gb/s per GPU
+        cluster = dataclasses.replace(cluster, internode_gbps=COMPARE_INTERNODE_GBPS)
+    setting = Setting(
+        cluster=cluster,
+        global_batch_tokens=args.global_batch_tokens or global_batch_tokens(config),
+        overlap=overlap_from(args.overlap),
+        expert_load=args.expert_load,
+        load_source="--expert-load",
+    )
+    rows = sweep(config, setting, (RESIDENT[0], *RESIDENT[2:], *FSDP))
+    if args.json:
+        print(json.dumps(report.to_json(config, setting, rows) | {"calibration": calibrated}))
+        return 0
+    if calibrated:
+        print(f"calibrated: {calibrated}")
+    print("\n".join(report.assumptions(config, setting)))
+    chosen = best(rows)
+    print(report.markdown(list(chosen.values())))
+    print("\n".join(report.answer(chosen)))
+    if cluster.num_gpus == 8 and cluster.gpu.name == "b300":
+        print("\n".join(report.reference(config, setting)[0]))
     return 0
 
 

@@ -64,6 +64,7 @@ class Cluster:
     # layer, 6/7 of the real causal count) that is 403 of 989
     attention_efficiency: float = 0.41
     latency_us: float = 10.0  # per collective or send
+    link_efficiency: float = 0.8  # share of the datasheet link bandwidth collectives reach
     overhead_gib: float = 2.0  # CUDA context, library workspaces, communication buffers
     hbm_tbps: float | None = None  # memory-bound kernels and the optimizer; None: datasheet
     # kept activations relative to what eager autograd saves (plan.memory); compiled blocks
@@ -73,7 +74,7 @@ class Cluster:
     def __post_init__(self) -> None:
         positive = (
             "num_gpus", "gpus_per_node", "matmul_efficiency", "grouped_efficiency",
-            "fp8_efficiency",
+            "fp8_efficiency", "link_efficiency",
         )  # fmt: skip
         for name in (*positive, "attention_efficiency", "activation_factor"):
             if getattr(self, name) <= 0:
@@ -103,6 +104,7 @@ class Cluster:
             internode_gbps=self.internode_bps / 1e9,
             gpus_per_node=self.gpus_per_node,
             latency_us=self.latency_us,
+            efficiency=self.link_efficiency,
         )
 
 

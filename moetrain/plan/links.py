@@ -16,7 +16,10 @@ A collective over a group that spans nodes runs hierarchically: inside each node
 S / local x (nodes - 1) / nodes, one after the other. An all-to-all drives both links at once.
 time = bytes / (bandwidth x efficiency) + one latency per collective. `efficiency` is the share of
 the datasheet bandwidth a collective reaches (1.0: the datasheet; NCCL's bus bandwidth on an
-H100/H200 NVLink node is about 0.8 of it). Nothing here imports torch.
+H100/H200 NVLink node is about 0.8 of it). An all-to-all sends each peer its own message, and
+small messages do not reach that rate: it runs at m / (m + m_half) of it for messages of m
+bytes, m_half = `half_rate_bytes` (an assumption, 1 MiB, not a measurement). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Links:
     gpus_per_node: int = 8
     latency_us: float = 10.0
     efficiency: float = 1.0
+    half_rate_bytes: float = 2**20  # all-to-all message size at half the collectives' rate
 
     def __post_init__(self) -> None:
         for name in ("nvlink_gbps", "internode_gbps", "gpus_per_node", "efficiency"):
@@ -80,9 +84,14 @@ class Links:
         """A ring all-reduce: a reduce-scatter and an all-gather of the same buffer."""
         return 2 * self.reduce_scatter_s(nbytes, group, stride)
 
+    def message_rate(self, message_bytes: float) -> float:
+        """The share of the collectives' rate an all-to-all of `message_bytes` a peer reaches."""
+        return message_bytes / (message_bytes + self.half_rate_bytes)
+
     def all_to_all_s(self, nbytes: float, group: int) -> float:
         """An all-to-all of a rank's `nbytes` payload over `group` consecutive ranks."""
         if group == 1:
             return 0.0
         intra, inter = split_all_to_all(nbytes, group, self.gpus_per_node)
-        return self.transfer_s(intra, inter, concurrent=True) + self.latency_us * 1e-6
+        seconds = self.transfer_s(intra, inter, concurrent=True) / self.message_rate(nbytes / group)
+        return seconds + self.latency_us * 1e-6

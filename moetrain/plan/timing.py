@@ -68,8 +68,10 @@ class StageEstimate:
     traffic: Traffic
     in_flight: float
     microbatch_matmul_s: float  # products at their efficiency-scaled peaks
+    microbatch_expert_s: float  # the experts' grouped products among them
     microbatch_elementwise_s: float  # memory-bound kernels at HBM bandwidth
     microbatch_comm_s: float  # all-to-alls and pipeline sends (not overlapped)
+    microbatch_all_to_all_s: float  # the all-to-alls among them
     grad_sync_s: float
     optimizer_s: float
 
@@ -96,7 +98,14 @@ def fp8_experts(config: RunConfig, cluster: Cluster) -> bool:
 
 
 def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -> float:
-    """One micro-batch's products on a stage. A forward is a third of forward + backward; moe
+    """One micro-batch's products on a stage."""
+    return sum(_matmul_parts(config, cluster, layout, stage))
+
+
+def _matmul_parts(
+    config: RunConfig, cluster: Cluster, layout: Layout, stage: int
+) -> tuple[float, float]:
+    """One micro-batch's products on a stage: (the experts' grouped products, the others). A forward is a third of forward + backward; moe
     checkpointing redoes the experts and the router (2 D E FLOPs per token), full everything.
     FP8 GEMMs (experts, `precision.linear`, `precision.lm_head`) run the forward and the input
     gradient, and any recomputed forward, at the FP8 rate; their weight gradient stays bf16
@@ -136,13 +145,13 @@ def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -
         head_s = head * (2 / 3 / fp8_rate + 1 / 3 / dense_rate)
     else:
         head_s = head / dense_rate
-    return tokens * (
-        num_moe * expert_s
-        + (num_moe + num_dense) * attention * (1 + redo_all) / attention_rate
+    rest = (
+        (num_moe + num_dense) * attention * (1 + redo_all) / attention_rate
         + other * (1 + redo_all) / dense_rate
         + head_s
         + linear_s
     )
+    return tokens * num_moe * expert_s, tokens * rest
 
 
 def _fp8_quantization_bytes(config: RunConfig, layout: Layout, stage: int) -> float:
@@ -234,7 +243,9 @@ def _all_to_all(
     per_layer = forward * (1 + recompute) + backward
     intra, inter = split_all_to_all(num_moe * per_layer, layout.ep, cluster.gpus_per_node)
     launches = num_moe * (4 + 2 * recompute)
-    seconds = cluster.links.transfer_s(intra, inter, concurrent=True)
+    links = cluster.links
+    rate = links.message_rate(rows * D * a / layout.ep)  # a bf16 exchange's message to a peer
+    seconds = links.transfer_s(intra, inter, concurrent=True) / rate
     return intra, inter, seconds + launches * cluster.latency_us * 1e-6
 
 
@@ -296,6 +307,7 @@ def stage_estimate(
     a2a_intra, a2a_inter, a2a_s = _all_to_all(config, cluster, layout, num_moe)
     p2p_intra, p2p_inter, p2p_s = _pipeline_sends(config, cluster, layout, stage)
     sync_intra, sync_inter, sync_s = _grad_sync(config, cluster, layout, params)
+    expert_s, rest_s = _matmul_parts(config, cluster, layout, stage)
     return StageEstimate(
         stage=stage,
         layers=layers,
@@ -317,9 +329,11 @@ def stage_estimate(
             pipeline_inter=p2p_inter * num_micro,
         ),
         in_flight=in_flight_microbatches(layout, stage, num_micro),
-        microbatch_matmul_s=_matmul_s(config, cluster, layout, stage),
+        microbatch_matmul_s=expert_s + rest_s,
+        microbatch_expert_s=expert_s,
         microbatch_elementwise_s=_elementwise_s(config, cluster, layout, stage),
         microbatch_comm_s=a2a_s + p2p_s,
+        microbatch_all_to_all_s=a2a_s,
         grad_sync_s=sync_s,
         optimizer_s=_optimizer_s(config, cluster, layout, params),
     )

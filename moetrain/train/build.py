@@ -29,7 +29,7 @@ from moetrain.optim.adamw import AdamW
 from moetrain.optim.clip import global_grad_norm, params_with_kinds, sharded_grad_norm
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
-from moetrain.parallel.data import GradientSync
+from moetrain.parallel.data import FSDPAccumulation, GradientSync
 from moetrain.parallel.mesh import ParallelDims
 
 
@@ -61,6 +61,8 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
     fsdp = config.parallel.data_parallel == "fsdp"
     needs_sync = (dims.world_size > 1 or grad_dtype is not None) and not fsdp
     grad_sync = GradientSync(model, dims, grad_dtype=grad_dtype) if needs_sync else None
+    if fsdp and dims.dp > 1 and config.parallel.fsdp_reshard == "step":
+        grad_sync = FSDPAccumulation(model)
     pairs = params_with_kinds(groups)
 
     def norm_fn() -> torch.Tensor:

@@ -90,7 +90,7 @@ class Trainer:
     ) -> None:
         """`model_transform` changes the parallelized model before it is materialized (on the
         meta device; with FSDP after): benchmarks use it to keep one rank's share of a larger
-        layout (`moetrain.bench.project`). `allow_lr_increase` lets a resume whose changed
+        layout (`moetrain.bench.measure_rank`). `allow_lr_increase` lets a resume whose changed
         schedule raises the LR above its last value go on (`optim.schedule.lr_change`)."""
         # data paths made absolute; unset vocab_size and eos_id: from the tokenizer
         config = resolve_eos_id(resolve_vocab_size(resolve_data_paths(config)))

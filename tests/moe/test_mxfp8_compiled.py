@@ -1,6 +1,6 @@
 """The MXFP8 expert product compiled as a compiled block runs it, against eager: output and both
 gradients. Its autograd.Function reads `ctx.needs_input_grad`, the pattern that gave the
-compiled FP8 row-scaled product zero gradients on the H200 (moe/fp8_gemm.py); on the CPU the
+compiled FP8 row-scaled product zero gradients on the H200 (moe/fp8_ops.py); on the CPU the
 compiled emulation matches eager exactly, so the GPU is where this can fail."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.moe.fp8_gemm import MXFP8EmulatedGroupedGemm
+from moetrain.moe.mxfp8 import MXFP8EmulatedGroupedGemm
 
 COUNTS = [1500, 0, 2500, 700, 1300, 17, 1000, 976]  # 8 uneven groups, one empty: 7993 rows
 ROWS, D, F = 8192, 256, 128  # padding rows past the last offset; D, F multiples of 32

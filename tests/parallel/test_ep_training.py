@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from conftest import run_distributed
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.config import (
     ModelConfig,
@@ -32,7 +33,9 @@ from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.optim.adamw import AdamW
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.parallel import GradientSync, init_distributed, is_expert_param, parallelize
+from moetrain.parallel.data import fsdp_mesh
 from moetrain.parallel.expert import read_dispatch_stats
+from moetrain.parallel.mesh import ParallelDims
 from moetrain.train.build import build_optimizer
 
 pytestmark = pytest.mark.distributed
@@ -173,10 +176,49 @@ def test_ep_dp_training_matches_single_process_world4():
     run_distributed(_world4, 4)
 
 
-def run_fsdp_case(config: RunConfig) -> None:
+class CollectiveLog(TorchDispatchMode):
+    """The c10d collectives run under it, with the dtype of each one's first tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("c10d."):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            self.calls.append((name, tensors[0].dtype if tensors else None))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, what: str) -> int:
+        return sum(what in name for name, _ in self.calls)
+
+    def dtypes(self, what: str) -> set:
+        return {dtype for name, dtype in self.calls if what in name}
+
+
+def expected_fsdp_collectives(config: RunConfig, dp: int, accum: int) -> dict[str, int]:
+    """Per step at ep 1: each block and the root is one FSDP2 group, gathered in every forward
+    (step: the first only); blocks that reshard after forward gather again for the backward;
+    every group reduce-scatters in each backward (step: the last only), and under HSDP then
+    all-reduces across the replicas. A shard of one rank gathers and scatters nothing."""
+    groups, blocks = config.model.num_layers + 1, config.model.num_layers
+    reshard = config.parallel.fsdp_reshard
+    shard = config.parallel.fsdp_shard_size or dp
+    passes = 1 if reshard == "step" else accum
+    gathers = passes * groups + (accum * blocks if reshard == "forward" else 0)
+    return {
+        "allgather": gathers if shard > 1 else 0,
+        "reduce_scatter": passes * groups if shard > 1 else 0,
+        "allreduce": passes * groups if shard < dp else 0,
+    }
+
+
+def run_fsdp_case(config: RunConfig, accum: int = 1, steps: int = STEPS) -> None:
     """FSDP2 baseline: shard a materialized model, train with the trainer's optimizer and
-    gradient-norm clipping (which binds), compare with one process: loss, every gradient, the
-    norm, and the weights after each step."""
+    gradient-norm clipping (which binds), compare with one process (loss, every gradient, the
+    norm, the weights after each step); at ep 1 count its collectives in every step
+    (parallel.fsdp_reshard, HSDP)."""
     dims = init_distributed(config)
     reference = build_model(dataclasses.replace(config, parallel=ParallelConfig()))
     model = parallelize(
@@ -184,6 +226,7 @@ def run_fsdp_case(config: RunConfig) -> None:
     )
     ref_params = dict(reference.named_parameters())
     opt = build_optimizer(model, config, dims)
+    no_sync = opt.no_sync  # the trainer's accumulation
     ref_grads = lambda: [p.grad for p in reference.parameters()]  # noqa: E731
     ref_opt = AdamW(
         build_param_groups(reference, config.train),
@@ -195,20 +238,32 @@ def run_fsdp_case(config: RunConfig) -> None:
     )
     ref_opt.init_state()
     generator = torch.Generator().manual_seed(99)
-    tokens = torch.randint(0, VOCAB, (STEPS, dims.dp, BATCH, SEQ + 1), generator=generator)
+    tokens = torch.randint(0, VOCAB, (steps, accum, dims.dp, BATCH, SEQ + 1), generator=generator)
     for layer in reference.moe_layers():
-        layer.aux_grad_scale = 1.0 / dims.dp
-    for step in range(STEPS):
-        ref_losses = []
-        for rank in range(dims.dp):
-            batch = tokens[step, rank]
-            loss = reference.loss(reference(batch[:, :-1]), batch[:, 1:])
-            (loss / dims.dp).backward()
-            ref_losses.append(loss.detach())
-        batch = tokens[step, dims.dp_rank]
-        loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
-        loss.backward()
-        assert_close_rel(loss.detach(), ref_losses[dims.dp_rank], f"fsdp loss {step}")
+        layer.aux_grad_scale = 1.0 / (accum * dims.dp)
+    for layer in model.moe_layers():
+        layer.aux_grad_scale = 1.0 / accum
+    for step in range(steps):
+        ref_losses = torch.zeros(accum, dims.dp)
+        for micro in range(accum):
+            for rank in range(dims.dp):
+                batch = tokens[step, micro, rank]
+                loss = reference.loss(reference(batch[:, :-1]), batch[:, 1:])
+                (loss / (accum * dims.dp)).backward()
+                ref_losses[micro, rank] = loss.detach()
+        log = CollectiveLog()
+        with log:
+            for micro in range(accum):
+                batch = tokens[step, micro, dims.dp_rank]
+                with no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                    loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
+                    (loss / accum).backward()
+                assert_close_rel(loss.detach(), ref_losses[micro, dims.dp_rank], f"loss {step}")
+        if dims.ep == 1:
+            counts = {
+                what: log.count(what) for what in ("allgather", "reduce_scatter", "allreduce")
+            }
+            assert counts == expected_fsdp_collectives(config, dims.dp, accum), counts
         for name, param in model.named_parameters():
             expected = ref_params[name].grad
             if is_expert_param(name):
@@ -236,10 +291,41 @@ def _fsdp_world2(rank, world_size):
             2, ep, dispatcher, data_parallel="fsdp", activation_checkpointing=checkpointing
         )
         run_fsdp_case(config)
+    # parallel.fsdp_reshard step over two micro-batches, and HSDP (replicas of one shard)
+    options = {"data_parallel": "fsdp"}
+    run_fsdp_case(tiny_config(2, 1, "auto", fsdp_reshard="step", **options), accum=2, steps=2)
+    run_fsdp_case(
+        tiny_config(2, 1, "auto", fsdp_reshard="backward", fsdp_shard_size=1, **options), steps=2
+    )
+    for grad_dtype, reduced in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        check_fsdp_reduce_dtype(tiny_config(2, 1, "auto", **options), grad_dtype, reduced)
+
+
+def check_fsdp_reduce_dtype(config: RunConfig, grad_dtype: str, reduced: torch.dtype) -> None:
+    """bf16 parameters reduce their gradients in precision.grad_dtype; the shards stay bf16."""
+    config = config.with_overrides([f"precision.grad_dtype={grad_dtype}"])
+    model = build_model(dataclasses.replace(config, parallel=ParallelConfig())).bfloat16()
+    model = parallelize(model, config, init_distributed(config))
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    log = CollectiveLog()
+    with log:
+        model.loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+    assert log.dtypes("reduce_scatter") == {reduced}
+    assert {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 def test_fsdp_matches_single_process_world2():
     run_distributed(_fsdp_world2, 2)
+
+
+def test_hsdp_layouts_that_cannot_run_name_the_field():
+    dims = ParallelDims(**{f.name: None for f in dataclasses.fields(ParallelDims)})
+    dims.dp, dims.ep = 4, 1
+    with pytest.raises(ValueError, match=r"parallel.fsdp_shard_size \(3\) must divide"):
+        fsdp_mesh(dims, 3)
+    dims.ep = 2
+    with pytest.raises(ValueError, match=r"fsdp_shard_size \(2\) with parallel.ep \(2\)"):
+        fsdp_mesh(dims, 2)
 
 
 @pytest.mark.parametrize(

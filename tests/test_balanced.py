@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from moetrain import plan as P
-from moetrain.bench.project import rank_transform
+from moetrain.bench.balanced import BalancedDispatcher
+from moetrain.bench.measure_rank import rank_transform
 from moetrain.model.transformer import Transformer
-from moetrain.moe.balanced import BalancedDispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.router import TopKRouter
-from moetrain.plan.projection import rank_model_params
+from moetrain.plan.rank_compute import rank_model_params
 from moetrain.presets import tiny
 
 
