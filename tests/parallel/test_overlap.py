@@ -1,0 +1,130 @@
+"""moe.overlap=two_chunk equals the plain block: the same loss and gradients, several ranks.
+
+Each case builds two models the trainer's way (meta -> parallelize -> to_empty -> init_weights)
+from one seed, with and without the overlap, runs one forward and backward of this rank's batch
+through each, and compares the loss and the first MoE layer's gradients (router, the rank's
+experts, the shared expert where there is one): fp32 within 1e-5 of each tensor's largest value
+(sums in other orders), bf16 within the multi-rank tolerances of tests/gpu/test_gpu_multirank.py
+(loss 1e-3 relative, gradients 2% in norm). `run_cases` is also the GPU test's body
+(tests/gpu/test_gpu_overlap.py: ranks sharing one GPU over gloo), which passes `compile`.
+The loopback transport's own stream waits are checked on the GPU under the CUDA stream sanitizer
+(tests/gpu/test_gpu_overlap.py); here it runs on the CPU, where a copy has no stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_distributed
+
+from moetrain.config import (
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    TrainConfig,
+)
+from moetrain.model.transformer import Transformer, build_model
+from moetrain.parallel import init_distributed, parallelize
+from moetrain.parallel.ep_dispatch import NoSyncDispatcher
+from moetrain.parallel.loopback import LoopbackTransport
+
+pytestmark = pytest.mark.distributed
+
+BATCH, SEQ, VOCAB = 4, 16, 64
+
+
+def overlap_config(overlap: str, ep: int, dispatcher: str, **extra) -> RunConfig:
+    parallel = {k: extra.pop(k) for k in ("activation_checkpointing", "backend", "compile") if k in extra}  # fmt: skip
+    return RunConfig(
+        model=ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            expert_hidden=32,
+            dispatcher=dispatcher,
+            capacity_factor=4.0 if dispatcher == "no_sync" else None,  # E / K: never drops
+            overlap=overlap,
+            num_shared_experts=extra.pop("shared", 0),
+        ),
+        parallel=ParallelConfig(ep=ep, **{"compile": False, **parallel}),
+        train=TrainConfig(seq_len=SEQ, micro_batch_size=BATCH, seed=5),
+        precision=PrecisionConfig(dispatch=extra.pop("payload", "bf16")),
+    )
+
+
+def _loss_and_grads(config: RunConfig, dtype: torch.dtype, device: str, batch: torch.Tensor):
+    dims = init_distributed(config, device_type=device)
+    with torch.device("meta"):
+        model = Transformer(config)
+    parallelize(model, config, dims)
+    model.to_empty(device=dims.device)
+    model.init_weights()
+    model.to(dtype)
+    batch = batch.to(dims.device)
+    loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
+    loss.backward()
+    layer = model.moe_layers()[0]
+    grads = {n: p.grad.float().cpu() for n, p in layer.named_parameters()}
+    return loss.detach().float().cpu(), grads
+
+
+def run_cases(rank: int, world: int, cases: list, device: str = "cpu") -> int:
+    """`cases`: (ep, dispatcher, dtype, extra config fields). Returns how many ran."""
+    generator = torch.Generator().manual_seed(1234 + rank)
+    for ep, dispatcher, dtype, extra in cases:
+        batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+        plain, overlapped = (
+            _loss_and_grads(overlap_config(o, ep, dispatcher, **extra), dtype, device, batch)
+            for o in ("none", "two_chunk")
+        )
+        what = f"rank {rank} ep {ep} {dispatcher} {dtype} {extra}"
+        exact = dtype == torch.float32
+        loss_err = (plain[0] - overlapped[0]).abs() / plain[0].abs()
+        assert loss_err <= (1e-6 if exact else 1e-3), (what, loss_err)
+        assert plain[1].keys() == overlapped[1].keys()
+        for name, expected in plain[1].items():
+            actual = overlapped[1][name]
+            if exact:
+                err = (actual - expected).abs().max() / expected.abs().max()
+                assert err <= 1e-5, (what, name, err)
+            else:
+                err = (actual - expected).norm() / expected.norm()
+                assert err <= 2e-2, (what, name, err)
+    return len(cases)
+
+
+CPU_CASES = [
+    (2, "all_to_all", torch.float32, {}),
+    (2, "no_sync", torch.float32, {"activation_checkpointing": "full"}),
+    (2, "all_to_all", torch.float32, {"payload": "fp8", "shared": 1}),
+    (4, "no_sync", torch.float32, {"payload": "fp8"}),
+    (4, "all_to_all", torch.float32, {"activation_checkpointing": "full", "shared": 1}),
+    (2, "no_sync", torch.bfloat16, {}),
+    (4, "all_to_all", torch.bfloat16, {}),
+]
+
+
+def test_two_chunk_equals_plain_block_at_ep_2_and_4():
+    assert run_distributed(run_cases, 4, CPU_CASES) == [len(CPU_CASES)] * 4
+
+
+def test_two_chunk_with_the_loopback_transport_in_one_process():
+    """The loopback transport (a group of one) behind NoSync, with a shared expert and the FP8
+    payload: the same loss and gradients as the plain block with the same dispatcher."""
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    results = []
+    for overlap in ("none", "two_chunk"):
+        model = build_model(overlap_config(overlap, 1, "local", shared=1, payload="fp8"))
+        for layer in model.moe_layers():
+            layer.dispatcher = NoSyncDispatcher(
+                8, None, 0, 4.0, transport=LoopbackTransport(), payload="fp8"
+            )
+        loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert (loss_a - loss_b).abs() <= 1e-6 * loss_a.abs()
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
