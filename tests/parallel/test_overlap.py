@@ -5,13 +5,19 @@ from one seed, with and without the overlap, runs one forward and backward of th
 through each, and compares the loss and the first MoE layer's gradients (router, the rank's
 experts, the shared expert where there is one): fp32 within 1e-5 of each tensor's largest value
 (sums in other orders), bf16 within the multi-rank tolerances of tests/gpu/test_gpu_multirank.py
-(loss 1e-3 relative, gradients 2% in norm). `run_cases` is also the GPU test's body
-(tests/gpu/test_gpu_overlap.py: ranks sharing one GPU over gloo), which passes `compile`.
-The loopback transport's own stream waits are checked on the GPU under the CUDA stream sanitizer
-(tests/gpu/test_gpu_overlap.py); here it runs on the CPU, where a copy has no stream.
+(loss 1e-3 relative, gradients 2% in norm). The `gpu` tests run the same cases with ranks
+sharing one GPU over gloo (bf16 compiled, as users train; fp32 eagerly: compiled grouped GEMMs
+take bf16 only), and the loopback transport, whose stream waits gloo would hide (it waits on the
+host), under the CUDA stream sanitizer in a subprocess: no race reported, and a race reported
+when the wait is left out.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +134,49 @@ def test_two_chunk_with_the_loopback_transport_in_one_process():
     assert (loss_a - loss_b).abs() <= 1e-6 * loss_a.abs()
     for a, b in zip(grads_a, grads_b, strict=True):
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+
+
+GPU_CASES = [
+    (2, "no_sync", torch.float32, {"backend": "gloo"}),
+    (4, "all_to_all", torch.float32, {"backend": "gloo", "shared": 1}),
+    (2, "all_to_all", torch.bfloat16, {"backend": "gloo", "compile": True, "payload": "fp8"}),
+    (4, "no_sync", torch.bfloat16, {"backend": "gloo", "compile": True}),
+]
+
+
+@pytest.mark.gpu
+def test_two_chunk_equals_plain_block_on_one_gpu():
+    assert run_distributed(run_cases, 4, GPU_CASES, "cuda") == [len(GPU_CASES)] * 4
+
+
+def _sanitized_step(skip_wait: bool, device: str = "cuda") -> None:
+    """One forward and backward of an overlapped model (bf16, eager) whose MoE layers exchange
+    through the loopback transport; `skip_wait` leaves out the wait of every exchange."""
+    if skip_wait:
+        launch = LoopbackTransport._launch
+        LoopbackTransport._launch = lambda *args: (launch(*args), lambda: None)[1]
+    config = overlap_config("two_chunk", 1, "local", shared=1)
+    model = build_model(config, device=device).to(torch.bfloat16)
+    for layer in model.moe_layers():
+        layer.dispatcher = NoSyncDispatcher(8, None, 0, 4.0, transport=LoopbackTransport())
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device=device)
+    model.loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skip_wait", [False, True])
+def test_loopback_exchanges_pass_the_cuda_stream_sanitizer(skip_wait):
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+    paths = [str(Path(__file__).parents[2]), str(Path(__file__).parents[1]), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))  # the repo, tests/ (conftest)
+    cmd = [sys.executable, __file__, "skip_wait" if skip_wait else "wait"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    raced = "CSAN detected a possible data race" in result.stderr
+    assert raced == skip_wait, result.stderr[-4000:]
+    assert (result.returncode != 0) == skip_wait, result.stderr[-4000:]
+
+
+if __name__ == "__main__":  # the sanitizer test's subprocess
+    _sanitized_step(sys.argv[1] == "skip_wait")
