@@ -11,6 +11,7 @@ Letters: R rows, D model dim, E experts, G ranks in the group.
   dispatcher's fixed blocks), and traceable (below).
 - `AsyncExchange`: the same exchange in two halves, `begin` and `end`, with GPU-side waits
   only, so that compute runs under it (moe.overlap=two_chunk); its backward overlaps the same way.
+  `all_to_all` is both halves at once.
 - `all_gather_counts`, `all_to_all_counts`, `all_reduce_counts`: integer count vectors, no
   gradient.
 Every function accepts `group=None`, meaning a group of one rank: the data stays where it is,
@@ -46,45 +47,6 @@ def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_RD, group, output_split_sizes, input_split_sizes, sink_rows, payload):  # type: ignore[override]
-        ctx.group, ctx.sink_rows = group, sink_rows
-        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
-        if payload == "fp8":  # zero sink rows decode to zero rows
-            packed = encode_fp8_rows(x_RD)
-            out = _exchange(packed, group, output_split_sizes, input_split_sizes, sink_rows)
-            return decode_fp8_rows(out, x_RD.dtype)
-        return _exchange(x_RD.contiguous(), group, output_split_sizes, input_split_sizes, sink_rows)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        grad_out = grad_out[: grad_out.shape[0] - ctx.sink_rows].contiguous()
-        grad_x = _exchange(grad_out, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes, 0)
-        return grad_x, None, None, None, None, None
-
-
-def _exchange(
-    x_RD: torch.Tensor,
-    group: ProcessGroup | None,
-    output_split_sizes: list[int] | None,
-    input_split_sizes: list[int] | None,
-    sink_rows: int,
-) -> torch.Tensor:
-    """One all_to_all_single into a fresh buffer with `sink_rows` zero rows after the data."""
-    num_rows = x_RD.shape[0] if output_split_sizes is None else sum(output_split_sizes)
-    out = x_RD.new_empty((num_rows + sink_rows, *x_RD.shape[1:]))
-    out[num_rows:].zero_()
-    if group is None:
-        assert output_split_sizes == input_split_sizes, "a group of one sends to itself"
-        out[:num_rows].copy_(x_RD)
-    else:
-        dist.all_to_all_single(
-            out[:num_rows], x_RD, output_split_sizes, input_split_sizes, group=group
-        )
-    return out
-
-
 @torch.compiler.disable
 def all_to_all(
     x_RD: torch.Tensor,
@@ -99,7 +61,10 @@ def all_to_all(
     `payload="fp8"`: rows travel FP8-quantized and arrive dequantized in x's dtype."""
     if group is None and sink_rows == 0 and check_payload(payload) == "bf16":
         return x_RD
-    return _AllToAll.apply(x_RD, group, output_split_sizes, input_split_sizes, sink_rows, payload)
+    exchange = AsyncExchange(
+        group, output_split_sizes, input_split_sizes, sink_rows=sink_rows, payload=payload
+    )
+    return exchange.begin(x_RD).end()
 
 
 # Launch(out, x, recv_splits, send_splits) starts moving x's rows into out and returns the wait:
@@ -111,6 +76,7 @@ Launch = Callable[[torch.Tensor, torch.Tensor, list[int] | None, list[int] | Non
 def _launch_collective(group: ProcessGroup | None) -> Launch:
     def launch(out, x, recv_splits, send_splits) -> Wait:
         if group is None:
+            assert recv_splits == send_splits, "a group of one sends to itself"
             out.copy_(x)
             return lambda: None
         # NCCL runs it on its own stream; work.wait() makes the current stream wait for it
