@@ -3,8 +3,9 @@
 Letters: B batch, S sequence, D d_model, V vocabulary.
 Each block is pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)), where ffn is a MoE layer
 (or a dense SwiGLU for the first `num_dense_layers` blocks). With moe.overlap=two_chunk a MoE
-block computes the same on two chunks of its sequences, interleaved (`Block._two_chunks`). Blocks live in a ModuleDict keyed by
-their global index, so a pipeline stage that keeps a subset of them keeps their global names;
+block computes the same on two chunks of its sequences, interleaved (`Block._two_chunks`).
+Blocks live in a ModuleDict keyed by their global index, so a pipeline stage that keeps a subset
+of them keeps their global names;
 `embed`, `norm` and `lm_head` may be None in stages that do not own them.
 With data.document_masking the forward derives the batch's documents from its token ids once
 (`DocumentMask.from_tokens`, on the device) and every block's attention keeps within them; a
