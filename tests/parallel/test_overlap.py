@@ -35,6 +35,7 @@ from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel import init_distributed, parallelize
 from moetrain.parallel.ep_dispatch import NoSyncDispatcher
 from moetrain.parallel.loopback import LoopbackTransport
+from moetrain.presets import get_preset
 
 pytestmark = pytest.mark.distributed
 
@@ -136,6 +137,20 @@ def test_two_chunk_with_the_loopback_transport_in_one_process():
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("train.micro_batch_size=1", "train.micro_batch_size"),
+        ("parallel.activation_checkpointing=moe", "parallel.activation_checkpointing"),
+        ("parallel.data_parallel=fsdp", "parallel.data_parallel"),
+        ("data.document_masking=true", "data.document_masking"),
+    ],
+)
+def test_two_chunk_start_up_errors_name_the_field(override, field):
+    with pytest.raises(ValueError, match=f"^{field} .*moe.overlap is two_chunk"):
+        get_preset("tiny").with_overrides(["moe.overlap=two_chunk", override])
+
+
 GPU_CASES = [
     (2, "no_sync", torch.float32, {"backend": "gloo"}),
     (4, "all_to_all", torch.float32, {"backend": "gloo", "shared": 1}),
@@ -149,16 +164,22 @@ def test_two_chunk_equals_plain_block_on_one_gpu():
     assert run_distributed(run_cases, 4, GPU_CASES, "cuda") == [len(GPU_CASES)] * 4
 
 
+def _loopback_model(device: str = "cuda") -> Transformer:
+    """The overlapped tiny model (bf16, a shared expert) whose MoE layers exchange through the
+    loopback transport."""
+    model = build_model(overlap_config("two_chunk", 1, "local", shared=1), device=device)
+    for layer in model.moe_layers():
+        layer.dispatcher = NoSyncDispatcher(8, None, 0, 4.0, transport=LoopbackTransport())
+    return model.to(torch.bfloat16)
+
+
 def _sanitized_step(skip_wait: bool, device: str = "cuda") -> None:
-    """One forward and backward of an overlapped model (bf16, eager) whose MoE layers exchange
-    through the loopback transport; `skip_wait` leaves out the wait of every exchange."""
+    """One forward and backward of `_loopback_model` (eager); `skip_wait` leaves out the wait of
+    every exchange."""
     if skip_wait:
         launch = LoopbackTransport._launch
         LoopbackTransport._launch = lambda *args: (launch(*args), lambda: None)[1]
-    config = overlap_config("two_chunk", 1, "local", shared=1)
-    model = build_model(config, device=device).to(torch.bfloat16)
-    for layer in model.moe_layers():
-        layer.dispatcher = NoSyncDispatcher(8, None, 0, 4.0, transport=LoopbackTransport())
+    model = _loopback_model(device)
     batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device=device)
     model.loss(model(batch[:, :-1]), batch[:, 1:]).backward()
     if device == "cuda":
@@ -176,6 +197,37 @@ def test_loopback_exchanges_pass_the_cuda_stream_sanitizer(skip_wait):
     raced = "CSAN detected a possible data race" in result.stderr
     assert raced == skip_wait, result.stderr[-4000:]
     assert (result.returncode != 0) == skip_wait, result.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_overlapped_step_with_loopback_is_captured_as_a_cuda_graph():
+    """The side stream joins and leaves a CUDA-graph capture as train/graph.py captures a step:
+    warm-up on a side stream, capture, replay; the replay equals an eager step."""
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device="cuda")
+    eager, graphed = _loopback_model(), _loopback_model()
+
+    def step(model):
+        loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        return loss
+
+    expected = step(eager)
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for _ in range(2):
+            graphed.zero_grad(set_to_none=True)
+            step(graphed)
+    torch.cuda.current_stream().wait_stream(warm)
+    graphed.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step(graphed)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(loss.float(), expected.float(), rtol=1e-3)
+    for a, b in zip(graphed.parameters(), eager.parameters(), strict=True):
+        assert (a.grad.float() - b.grad.float()).norm() <= 1e-2 * b.grad.float().norm()
 
 
 if __name__ == "__main__":  # the sanitizer test's subprocess
