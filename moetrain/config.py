@@ -81,6 +81,8 @@ class RunConfig:
                 self.parallel.pp,
                 f"must be <= model.num_layers ({self.model.num_layers})",
             )
+        if self.moe.overlap == "two_chunk":
+            self._check_overlap()
         eos, vocab = self.data.eos_id, self.model.vocab_size
         if eos is not None and vocab is not None and eos >= vocab:
             fail("data.eos_id", eos, f"must be < model.vocab_size ({vocab})")
@@ -92,6 +94,26 @@ class RunConfig:
                     self.train.global_batch_tokens,
                     f"must be a multiple of micro_batch_size * seq_len * dp ({micro})",
                 )
+
+    def _check_overlap(self) -> None:
+        """moe.overlap=two_chunk runs each MoE block as two chunks of sequences, the MoE layer in
+        halves between the chunks' attention; what cannot split or wrap that is an error."""
+        t, p, d = self.train, self.parallel, self.data
+        for name, value, bad, why in (
+            ("train.micro_batch_size", t.micro_batch_size, t.micro_batch_size < 2,
+             "must be >= 2: the micro-batch's sequences are split in two"),
+            ("parallel.activation_checkpointing", p.activation_checkpointing,
+             p.activation_checkpointing == "moe",
+             "cannot be moe: the MoE layer runs in halves between the chunks' attention, which "
+             "a checkpoint of the layer alone cannot wrap; use full or none"),
+            ("parallel.data_parallel", p.data_parallel, p.data_parallel == "fsdp",
+             "must be ddp: overlap hides the resident experts' all-to-alls (FSDP's hooks would "
+             "run at each chunk's call of the experts)"),
+            ("data.document_masking", d.document_masking, d.document_masking,
+             "must be false: the documents' block mask is built for the whole micro-batch"),
+        ):  # fmt: skip
+            if bad:
+                fail(name, value, f"{why} (moe.overlap is two_chunk)")
 
     # ---- derived quantities -------------------------------------------------------------------
     def dp_size(self, world_size: int) -> int:

@@ -119,6 +119,9 @@ class MoEConfig:
     # capacity mode (no_sync on CUDA), static buffers of about factor x T x K rows per rank
     capacity_factor: float | None = None
     dispatcher: Literal["auto", "local", "all_to_all", "no_sync"] = "auto"
+    # two_chunk: each MoE block splits its micro-batch's sequences in two, so that each chunk's
+    # all-to-alls run under the other chunk's compute (docs/design.md, "Overlap")
+    overlap: Literal["none", "two_chunk"] = "none"
 
     def __post_init__(self) -> None:
         s = "moe"
@@ -132,6 +135,7 @@ class MoEConfig:
         _choice(s, self, "routing", ("learned", "random"))
         _choice(s, self, "lb_scope", ("micro_batch", "global_batch"))
         _choice(s, self, "dispatcher", ("auto", "local", "all_to_all", "no_sync"))
+        _choice(s, self, "overlap", ("none", "two_chunk"))
         if self.dispatcher == "no_sync" and self.capacity_factor is None:
             fail(
                 "moe.dispatcher",

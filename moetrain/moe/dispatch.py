@@ -19,6 +19,12 @@ LocalDispatcher with `fp8_rows`: it quantizes the T token rows and gathers their
 where the experts would quantize all T*K rows), else None. The MoE layer only
 sees this interface: expert parallelism swaps in dispatchers that move rows between ranks
 (moetrain.parallel), without touching model code.
+
+moe.overlap runs both in halves, so that compute runs while rows move:
+    pending = dispatcher.dispatch_begin(x_TD, routing)   # launches the movement
+    rows_ND, offsets_e, handle = dispatcher.dispatch_end(pending)   # waits for it (on the device)
+and `combine_begin(y_ND, handle)` / `combine_end(pending)` likewise. A dispatcher that moves
+nothing does its work in the begin half (`Immediate`).
 """
 
 from __future__ import annotations
@@ -49,6 +55,30 @@ class Dispatcher(Protocol):
 
     def combine(self, y_ND: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
+    def dispatch_begin(self, x_TD: torch.Tensor, routing: RoutingResult) -> Any: ...
+
+    def dispatch_end(self, pending: Any) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]: ...
+
+    def combine_begin(self, y_ND: torch.Tensor, handle: Any) -> Any: ...
+
+    def combine_end(self, pending: Any) -> torch.Tensor: ...
+
+
+class Immediate:
+    """The halves of a dispatcher that moves nothing: begin does the work, end hands it over."""
+
+    def dispatch_begin(self, x_TD, routing):
+        return self.dispatch(x_TD, routing)
+
+    def dispatch_end(self, pending):
+        return pending
+
+    def combine_begin(self, y_ND, handle):
+        return self.combine(y_ND, handle)
+
+    def combine_end(self, pending):
+        return pending
+
 
 @dataclass
 class LocalHandle:
@@ -58,7 +88,7 @@ class LocalHandle:
     rows_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # with `fp8_rows`
 
 
-class LocalDispatcher:
+class LocalDispatcher(Immediate):
     """All experts on this device. A stable sort of the T*K routes by expert id gives the row
     order (ties keep token order, so the result is deterministic). The row movements are
     `moetrain.kernels.gather`: Triton kernels near memory bandwidth on GPU (every backward is a

@@ -8,12 +8,18 @@ the factor the trainer applies to its own loss (1 / gradient-accumulation steps;
 parallelism 1 / pipeline micro-batches, set by moetrain.parallel.pipeline).
 Routing statistics (routes per expert, loss values) accumulate in device buffers and are read only
 when the trainer logs; nothing here syncs with the host.
+
+moe.overlap=two_chunk runs the layer in halves on two chunks of a micro-batch (`send`, `compute`,
+`receive`; model.transformer.Block schedules them between the chunks' attention): the dispatcher's
+begin halves launch the rows' movement and its end halves wait for it on the device. Losses,
+gradients and statistics are those of `forward` on the whole micro-batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +51,32 @@ class AddAuxLossGrad(torch.autograd.Function):
     def backward(ctx, grad_y):  # type: ignore[override]
         grad_aux = torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad_y.device)
         return grad_y, grad_aux, None
+
+
+@dataclasses.dataclass
+class Chunk:
+    """A chunk of a micro-batch between the layer's halves."""
+
+    shape: torch.Size  # of the chunk's input (B, S, D)
+    x_TD: torch.Tensor
+    routing: RoutingResult
+    pending: Any  # the dispatch in flight, then the combine
+
+
+def _merge(a: RoutingResult, b: RoutingResult) -> RoutingResult:
+    """The routing of a micro-batch from its two chunks', for its losses and statistics: the
+    balance loss of all its routes, the z-loss as the mean over all its tokens."""
+    probs_TE = torch.cat([a.probs_TE, b.probs_TE])
+    counts_E = a.tokens_per_expert_E + b.tokens_per_expert_E
+    T_a, T_b = a.probs_TE.shape[0], b.probs_TE.shape[0]
+    return RoutingResult(
+        expert_ids_TK=torch.cat([a.expert_ids_TK, b.expert_ids_TK]),
+        weights_TK=torch.cat([a.weights_TK, b.weights_TK]),
+        tokens_per_expert_E=counts_E,
+        probs_TE=probs_TE,
+        lb_loss=load_balancing_loss(probs_TE, counts_E),
+        z_loss=(a.z_loss * T_a + b.z_loss * T_b) / (T_a + T_b),
+    )
 
 
 class MoELayer(nn.Module):
@@ -87,26 +119,60 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        routing = self.router(x_TD)
-        if self.training:
-            if not is_recomputing():
-                self._record(routing)
-            lb_loss = routing.lb_loss
-            if self.config.lb_scope == "global_batch" and self.count_reducer is not None:
-                global_counts_E = self.count_reducer(routing.tokens_per_expert_E)
-                lb_loss = load_balancing_loss(routing.probs_TE, global_counts_E)
-            aux_loss = (
-                self.config.lb_loss_weight * lb_loss + self.config.z_loss_weight * routing.z_loss
-            )
-            if aux_loss.requires_grad:  # the aux gradient rides on the router weights' backward
-                weights_TK = AddAuxLossGrad.apply(routing.weights_TK, aux_loss, self.aux_grad_scale)
-                routing = dataclasses.replace(routing, weights_TK=weights_TK)
+        routing = self._finish_routing(self.router(x_TD))
         rows_ND, offsets_e, handle = self.dispatcher.dispatch(x_TD, routing)
         y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N, handle.rows_fp8)
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
         return y_TD.view(B, S, D)
+
+    # ---- in halves, on two chunks (moe.overlap=two_chunk) ------------------------------------
+    def send(self, x_BSD: torch.Tensor, first: Chunk | None = None) -> Chunk:
+        """Routes a chunk and launches its dispatch. The micro-batch's second chunk passes the
+        first: it carries the auxiliary losses of both (on its router weights) and records the
+        statistics of both, so that they are the whole micro-batch's."""
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routing = self.router(x_TD)
+        if first is not None:
+            routing = self._finish_routing(routing, first.routing)
+        return Chunk(x_BSD.shape, x_TD, routing, self.dispatcher.dispatch_begin(x_TD, routing))
+
+    def compute(self, chunk: Chunk) -> None:
+        """Waits (on the device) for the chunk's rows, runs the experts, launches the combine."""
+        rows_ND, offsets_e, handle = self.dispatcher.dispatch_end(chunk.pending)
+        y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N, handle.rows_fp8)
+        chunk.pending = self.dispatcher.combine_begin(y_ND, handle)
+
+    def receive(self, a: Chunk, b: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both chunks' outputs: the shared expert of each first, under the combines still in
+        flight, then the waits. (No loops here or in the other halves: a graph break inside a
+        loop makes torch.compile run the whole frame eagerly.)"""
+        if self.shared_expert is not None:
+            shared_a, shared_b = self.shared_expert(a.x_TD), self.shared_expert(b.x_TD)
+        y_a, y_b = self.dispatcher.combine_end(a.pending), self.dispatcher.combine_end(b.pending)
+        if self.shared_expert is not None:
+            y_a, y_b = y_a + shared_a, y_b + shared_b
+        return y_a.view(a.shape), y_b.view(b.shape)
+
+    def _finish_routing(self, routing: RoutingResult, first: RoutingResult | None = None):
+        """In training: records the statistics of the micro-batch (`routing`, or `first` and
+        `routing`, its two chunks) and hangs its weighted auxiliary loss on `routing`'s weights."""
+        if not self.training:
+            return routing
+        whole = routing if first is None else _merge(first, routing)
+        if not is_recomputing():
+            self._record(whole)
+        lb_loss = whole.lb_loss
+        if self.config.lb_scope == "global_batch" and self.count_reducer is not None:
+            global_counts_E = self.count_reducer(whole.tokens_per_expert_E)
+            lb_loss = load_balancing_loss(whole.probs_TE, global_counts_E)
+        aux_loss = self.config.lb_loss_weight * lb_loss + self.config.z_loss_weight * whole.z_loss
+        if not aux_loss.requires_grad:
+            return routing
+        # the aux gradient rides on the router weights' backward
+        weights_TK = AddAuxLossGrad.apply(routing.weights_TK, aux_loss, self.aux_grad_scale)
+        return dataclasses.replace(routing, weights_TK=weights_TK)
 
     @torch.no_grad()
     def _record(self, routing: RoutingResult) -> None:

@@ -9,6 +9,9 @@ Letters: R rows, D model dim, E experts, G ranks in the group.
   the gradient travels back unquantized (straight-through).
 - `exchange_blocks(x_RD, group, sink_rows, payload)`: the same with equal splits (the NoSync
   dispatcher's fixed blocks), and traceable (below).
+- `AsyncExchange`: the same exchange in two halves, `begin` and `end`, with GPU-side waits
+  only, so that compute runs under it (moe.overlap=two_chunk); its backward overlaps the same way.
+  `all_to_all` is both halves at once.
 - `all_gather_counts`, `all_to_all_counts`, `all_reduce_counts`: integer count vectors, no
   gradient.
 Every function accepts `group=None`, meaning a group of one rank: the data stays where it is,
@@ -29,6 +32,8 @@ too (`traceable`): there the compiled NoSync block crashed its rank (segfault, t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -40,45 +45,6 @@ from moetrain.moe.payload import check_payload, decode_fp8_rows, encode_fp8_rows
 
 def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_RD, group, output_split_sizes, input_split_sizes, sink_rows, payload):  # type: ignore[override]
-        ctx.group, ctx.sink_rows = group, sink_rows
-        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
-        if payload == "fp8":  # zero sink rows decode to zero rows
-            packed = encode_fp8_rows(x_RD)
-            out = _exchange(packed, group, output_split_sizes, input_split_sizes, sink_rows)
-            return decode_fp8_rows(out, x_RD.dtype)
-        return _exchange(x_RD.contiguous(), group, output_split_sizes, input_split_sizes, sink_rows)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        grad_out = grad_out[: grad_out.shape[0] - ctx.sink_rows].contiguous()
-        grad_x = _exchange(grad_out, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes, 0)
-        return grad_x, None, None, None, None, None
-
-
-def _exchange(
-    x_RD: torch.Tensor,
-    group: ProcessGroup | None,
-    output_split_sizes: list[int] | None,
-    input_split_sizes: list[int] | None,
-    sink_rows: int,
-) -> torch.Tensor:
-    """One all_to_all_single into a fresh buffer with `sink_rows` zero rows after the data."""
-    num_rows = x_RD.shape[0] if output_split_sizes is None else sum(output_split_sizes)
-    out = x_RD.new_empty((num_rows + sink_rows, *x_RD.shape[1:]))
-    out[num_rows:].zero_()
-    if group is None:
-        assert output_split_sizes == input_split_sizes, "a group of one sends to itself"
-        out[:num_rows].copy_(x_RD)
-    else:
-        dist.all_to_all_single(
-            out[:num_rows], x_RD, output_split_sizes, input_split_sizes, group=group
-        )
-    return out
 
 
 @torch.compiler.disable
@@ -95,7 +61,114 @@ def all_to_all(
     `payload="fp8"`: rows travel FP8-quantized and arrive dequantized in x's dtype."""
     if group is None and sink_rows == 0 and check_payload(payload) == "bf16":
         return x_RD
-    return _AllToAll.apply(x_RD, group, output_split_sizes, input_split_sizes, sink_rows, payload)
+    exchange = AsyncExchange(
+        group, output_split_sizes, input_split_sizes, sink_rows=sink_rows, payload=payload
+    )
+    return exchange.begin(x_RD).end()
+
+
+# Launch(out, x, recv_splits, send_splits) starts moving x's rows into out and returns the wait:
+# a call that orders the current stream after the movement (a GPU-side wait; gloo's on the host).
+Wait = Callable[[], None]
+Launch = Callable[[torch.Tensor, torch.Tensor, list[int] | None, list[int] | None], Wait]
+
+
+def _launch_collective(group: ProcessGroup | None) -> Launch:
+    def launch(out, x, recv_splits, send_splits) -> Wait:
+        if group is None:
+            assert recv_splits == send_splits, "a group of one sends to itself"
+            out.copy_(x)
+            return lambda: None
+        # NCCL runs it on its own stream; work.wait() makes the current stream wait for it
+        return dist.all_to_all_single(
+            out, x, recv_splits, send_splits, group=group, async_op=True
+        ).wait
+
+    return launch
+
+
+class AsyncExchange:
+    """One `all_to_all` in two halves, so that compute can run under it: `begin(x_RD)` launches
+    it and `end()` orders the current stream after it and returns what `all_to_all` returns
+    (the received rows, then `sink_rows` zero rows; an fp8 payload decoded). With NCCL neither
+    half waits on the host (the exchange runs on NCCL's stream and `end` is a stream wait); gloo
+    waits in `end`. `launch` replaces the collective (moetrain.parallel.loopback: a copy on a
+    side stream). One object per exchange.
+
+    Differentiable, and the backward overlaps as the forward did: the backward of `end` launches
+    the gradient's reverse exchange and the backward of `begin` waits for it. Autograd runs the
+    ready node with the highest sequence number first, i.e. a backward in the reverse order of
+    its forward, so the backward of whatever ran between `begin` and `end` runs between those
+    two, under the exchange. Nothing but the in-flight buffers is kept between the halves (no
+    activations on the autograd context: activation checkpointing stays effective)."""
+
+    def __init__(
+        self,
+        group: ProcessGroup | None,
+        recv_splits: list[int] | None = None,
+        send_splits: list[int] | None = None,
+        *,
+        sink_rows: int = 0,
+        payload: str = "bf16",
+        launch: Launch | None = None,
+    ) -> None:
+        self.splits, self.sink_rows = (recv_splits, send_splits), sink_rows
+        self.payload = check_payload(payload)
+        self.launch = launch if launch is not None else _launch_collective(group)
+        self.dtype: torch.dtype | None = None
+        self._token = self._out = self._wait = None
+
+    @torch.compiler.disable
+    def begin(self, x_RD: torch.Tensor) -> AsyncExchange:
+        self._token = _Begin.apply(x_RD, self)
+        return self
+
+    @torch.compiler.disable
+    def end(self) -> torch.Tensor:
+        token, self._token = self._token, None  # the token's graph must not outlive the exchange
+        return _End.apply(token, self)
+
+    def _start(self, x_RD: torch.Tensor, reverse: bool) -> None:
+        recv, send = self.splits[::-1] if reverse else self.splits
+        sink = 0 if reverse else self.sink_rows
+        rows = x_RD.shape[0] if recv is None else sum(recv)
+        self._out = x_RD.new_empty((rows + sink, *x_RD.shape[1:]))
+        self._out[rows:].zero_()
+        self._wait = self.launch(self._out[:rows], x_RD.contiguous(), recv, send)
+
+    def _finish(self) -> torch.Tensor:
+        self._wait()
+        out, self._out, self._wait = self._out, None, None
+        return out
+
+
+class _Begin(torch.autograd.Function):
+    """Launches the exchange; returns an empty token that orders `_End` after it."""
+
+    @staticmethod
+    def forward(ctx, x_RD, exchange):  # type: ignore[override]
+        ctx.exchange = exchange
+        exchange.dtype = x_RD.dtype
+        exchange._start(encode_fp8_rows(x_RD) if exchange.payload == "fp8" else x_RD, False)
+        return x_RD.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):  # type: ignore[override]
+        return ctx.exchange._finish(), None
+
+
+class _End(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, exchange):  # type: ignore[override]
+        ctx.exchange = exchange
+        out = exchange._finish()
+        return decode_fp8_rows(out, exchange.dtype) if exchange.payload == "fp8" else out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        exchange = ctx.exchange
+        exchange._start(grad_out[: grad_out.shape[0] - exchange.sink_rows], True)
+        return grad_out.new_empty(0), None
 
 
 def traceable(group: ProcessGroup | None, device: torch.device | str | None) -> bool:

@@ -12,6 +12,9 @@ and both are differentiable (the backward of each all-to-all is the reverse all-
 - `NoSyncDispatcher` (capacity mode): every shape is fixed by (T, K, G, capacity factor) before
   the step, every decision is computed on device, the transport moves fixed blocks. Dropped
   routes contribute zero. It requires a capacity factor (moetrain.moe.capacity says why).
+Both run whole or in halves (`dispatch_begin` / `dispatch_end`, `combine_begin` / `combine_end`,
+for moe.overlap): the begin half launches the rows' movement (`comm.AsyncExchange`) and the end
+half waits for it on the device, so compute issued in between runs under it.
 `payload="fp8"` (precision.dispatch) sends the dispatched rows FP8-quantized (moetrain.moe.payload);
 the combine and all gradients travel in the activations' dtype.
 Statistics count training forwards only: not under no_grad (evaluation), and not during
@@ -38,6 +41,7 @@ from moetrain.moe.payload import check_payload
 from moetrain.moe.recompute import is_recomputing
 from moetrain.moe.router import RoutingResult
 from moetrain.parallel.comm import (
+    AsyncExchange,
     all_gather_counts,
     all_to_all,
     all_to_all_counts,
@@ -107,20 +111,75 @@ class _GatherTokens(torch.autograd.Function):
         return grad_TD, None, None
 
 
-# ---- AllToAllDispatcher ---------------------------------------------------------------------
+# ---- what both dispatchers share ------------------------------------------------------------
 
 
 @dataclass
-class AllToAllHandle:
-    inverse_order_TK: torch.Tensor  # position of each route in the sorted send rows
+class ExchangeHandle:
+    """What `combine` needs of a dispatch. Rows leave in `route_row_TK` order (each route's row
+    in the buffer that goes out and comes back; dropped routes: a zero sink row) and arrive
+    source-major; `arrive_R` gathers them expert-major (padding reads the sink row), `depart_R`
+    gathers the experts' outputs back into arrival order."""
+
+    route_row_TK: torch.Tensor
+    row_route_R: torch.Tensor  # route of each row that goes out; unused rows: T * K
     weights_TK: torch.Tensor
-    recv_to_expert_major_R: torch.Tensor  # position in rows_ND of each received row
-    send_splits: list[int]
-    recv_splits: list[int]
-    expert_major_to_recv_R: torch.Tensor  # received row of each expert-major position
-    order_N: torch.Tensor  # flat (token, k) route of each sorted send row
+    arrive_R: torch.Tensor  # received row of each expert-major position
+    arrive_back_R: torch.Tensor  # expert-major position of each received row (incl. sinks)
+    depart_R: torch.Tensor  # expert-major position of each received row, for the return trip
+    recv_splits: list[int] | None = None  # None: equal blocks (NoSync)
+    send_splits: list[int] | None = None
     row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
     rows_fp8: None = None  # the experts quantize the rows they receive
+
+
+class _ExpertParallel:
+    """The dispatcher protocol, whole and in halves (moe.overlap: begin launches the movement,
+    end waits for it on the device), from what each dispatcher defines: `_plan(x_TD, routing)`
+    -> (rows to send, handle, offsets_e) and `_move(rows, handle, forward, begin)`, one exchange
+    (`begin`: an `AsyncExchange` in flight)."""
+
+    payload: str
+
+    def dispatch(self, x_TD: torch.Tensor, routing: RoutingResult):
+        send_RD, handle, offsets_e = self._plan(x_TD, routing)
+        return self._arrive(self._move(send_RD, handle, True, False), handle, offsets_e)
+
+    def dispatch_begin(self, x_TD: torch.Tensor, routing: RoutingResult):
+        send_RD, handle, offsets_e = self._plan(x_TD, routing)
+        return self._move(send_RD, handle, True, True), handle, offsets_e
+
+    def dispatch_end(self, pending):
+        flight, handle, offsets_e = pending
+        return self._arrive(flight.end(), handle, offsets_e)
+
+    def combine(self, y_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
+        return self._sum(self._move(self._depart(y_RD, handle), handle, False, False), handle)
+
+    def combine_begin(self, y_RD: torch.Tensor, handle: ExchangeHandle):
+        return self._move(self._depart(y_RD, handle), handle, False, True), handle
+
+    def combine_end(self, pending) -> torch.Tensor:
+        flight, handle = pending
+        return self._sum(flight.end(), handle)
+
+    # Every gather's backward is a gather by the inverse index (see moe.dispatch.gather_rows).
+    @staticmethod
+    def _arrive(recv_RD, handle: ExchangeHandle, offsets_e):
+        return gather_rows(recv_RD, handle.arrive_R, handle.arrive_back_R), offsets_e, handle
+
+    @staticmethod
+    def _depart(y_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
+        return gather_rows(y_RD, handle.depart_R, handle.arrive_R)
+
+    @staticmethod
+    def _sum(back_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
+        T, K = handle.route_row_TK.shape
+        y_N = gather_rows(back_RD, handle.route_row_TK.reshape(-1), handle.row_route_R)
+        return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
+
+
+# ---- AllToAllDispatcher ---------------------------------------------------------------------
 
 
 def _sync_split_sizes(
@@ -131,10 +190,12 @@ def _sync_split_sizes(
     return sizes[: len(sizes) // 2], sizes[len(sizes) // 2 :]
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(_ExpertParallel):
     """Sort routes by global expert (which groups them by destination rank), exchange counts,
     sync split sizes to the host, move exactly the routed rows, and reorder the received rows
-    expert-major. Dropless; `moe.capacity_factor` applies to NoSyncDispatcher only."""
+    expert-major. Dropless; `moe.capacity_factor` applies to NoSyncDispatcher only. In halves
+    (moe.overlap) the split sizes are still read on the host in `dispatch_begin`; what overlaps
+    is the movement of the rows, both ways, forward and backward."""
 
     def __init__(self, num_experts: int, group: ProcessGroup | None, payload: str = "bf16") -> None:
         self.group, self.num_experts = group, num_experts
@@ -143,9 +204,7 @@ class AllToAllDispatcher:
         assert num_experts % self.num_ranks == 0
         self.num_local = num_experts // self.num_ranks
 
-    def dispatch(
-        self, x_TD: torch.Tensor, routing: RoutingResult
-    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+    def _plan(self, x_TD: torch.Tensor, routing: RoutingResult):
         G, e = self.num_ranks, self.num_local
         T, K = routing.expert_ids_TK.shape
         ids_N = routing.expert_ids_TK.reshape(-1)
@@ -156,34 +215,34 @@ class AllToAllDispatcher:
         # 2. Exchange counts: recv_counts_Ge[s, x] = routes from rank s to my local expert x.
         send_counts_E = count_tokens_per_expert(ids_N, self.num_experts)
         recv_counts_Ge = all_to_all_counts(send_counts_E, self.group)
-        # 3. The host sync, then 4. move the rows.
+        # 3. The host sync (4. the rows move in `_move`).
         send_splits, recv_splits = _sync_split_sizes(
             send_counts_E.view(G, e).sum(1), recv_counts_Ge.sum(1)
         )
-        recv_RD = all_to_all(send_ND, self.group, recv_splits, send_splits, payload=self.payload)
         # 5. Source-major -> expert-major (a permutation: nothing is padding).
         num_recv = sum(recv_splits)
         start_Ge = (recv_counts_Ge.reshape(-1).cumsum(0) - recv_counts_Ge.reshape(-1)).view(G, e)
         recv_row_R, offsets_e = _expert_major_index(recv_counts_Ge, start_Ge, num_recv, 0)
-        handle = AllToAllHandle(
-            inverse_order_TK=inverse_order_N.view(T, K),
+        arrive_back_R = _inverse_index(recv_row_R, None, num_recv)
+        handle = ExchangeHandle(
+            route_row_TK=inverse_order_N.view(T, K),
+            row_route_R=order_N,
             weights_TK=routing.weights_TK,
-            recv_to_expert_major_R=_inverse_index(recv_row_R, None, num_recv),
-            send_splits=send_splits,
+            arrive_R=recv_row_R,
+            arrive_back_R=arrive_back_R,
+            depart_R=arrive_back_R,
             recv_splits=recv_splits,
-            expert_major_to_recv_R=recv_row_R,
-            order_N=order_N,
+            send_splits=send_splits,
         )
-        # permutations: every backward is the gather by the inverse (see moe.dispatch.gather_rows)
-        rows_RD = gather_rows(recv_RD, recv_row_R, handle.recv_to_expert_major_R)
-        return rows_RD, offsets_e, handle
+        return send_ND, handle, offsets_e
 
-    def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        y_recv_RD = gather_rows(y_ND, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R)
-        y_sorted_ND = all_to_all(y_recv_RD, self.group, handle.send_splits, handle.recv_splits)
-        T, K = handle.inverse_order_TK.shape
-        y_N = gather_rows(y_sorted_ND, handle.inverse_order_TK.reshape(-1), handle.order_N)
-        return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
+    def _move(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool, begin: bool):
+        recv, send = handle.recv_splits, handle.send_splits
+        recv, send = (recv, send) if forward else (send, recv)
+        payload = self.payload if forward else "bf16"
+        if begin:
+            return AsyncExchange(self.group, recv, send, payload=payload).begin(rows_RD)
+        return all_to_all(rows_RD, self.group, recv, send, payload=payload)
 
     def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
         return {}  # dropless, no padding: nothing to report
@@ -199,6 +258,10 @@ class Transport(Protocol):
         the blocks travel FP8-quantized (see moetrain.moe.payload)."""
         ...
 
+    def begin(self, send_RD: torch.Tensor, payload: str = "bf16") -> AsyncExchange:
+        """The same exchange, launched; its `end()` returns what `exchange` does."""
+        ...
+
 
 class AllToAllTransport:
     """Fixed blocks over an equal-split all_to_all_single (portable: NCCL and gloo), traceable by
@@ -210,6 +273,9 @@ class AllToAllTransport:
 
     def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
         return exchange_blocks(send_RD, self.group, 1, payload, self.traced)
+
+    def begin(self, send_RD: torch.Tensor, payload: str = "bf16") -> AsyncExchange:
+        return AsyncExchange(self.group, sink_rows=1, payload=payload).begin(send_RD)
 
 
 def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int) -> torch.Tensor:
@@ -227,18 +293,7 @@ def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int)
     return (block_rows - before_in_block_sdx).clamp(min=0).minimum(fits_expert_sdx)
 
 
-@dataclass
-class NoSyncHandle:
-    send_row_TK: torch.Tensor  # row of each route in the send buffer; dropped: the sink row
-    recv_to_expert_major_R: torch.Tensor  # position in rows_ND of each received row
-    weights_TK: torch.Tensor
-    expert_major_to_recv_R: torch.Tensor  # received row of each expert-major position; pad: R
-    route_of_send_row_R: torch.Tensor  # route of each send row (+ the sink); unused: T * K
-    row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
-    rows_fp8: None = None  # the experts quantize the rows they receive
-
-
-class NoSyncDispatcher:
+class NoSyncDispatcher(_ExpertParallel):
     """GPU-resident dispatch (DESIGN.md): count, share counts, decide, move fixed blocks, compute,
     return. Every rank must call it with the same T (training micro-batches do); evaluation with
     ragged batches should use AllToAllDispatcher. Capacity mode: a rank's receive buffer is G
@@ -284,9 +339,7 @@ class NoSyncDispatcher:
             num_tokens, top_k, self.num_ranks, self.num_experts, self.capacity_factor
         )
 
-    def dispatch(
-        self, x_TD: torch.Tensor, routing: RoutingResult
-    ) -> tuple[torch.Tensor, torch.Tensor, NoSyncHandle]:
+    def _plan(self, x_TD: torch.Tensor, routing: RoutingResult):
         G, e, me = self.num_ranks, self.num_local, self.ep_rank
         T, K = routing.expert_ids_TK.shape
         expert_capacity, B = self.capacities(T, K)
@@ -305,37 +358,32 @@ class NoSyncDispatcher:
         keep_N = pos_N < kept_sdx[me].reshape(-1)[ids_N]
         send_row_N = (ids_N // e) * B + block_start_sdx[me].reshape(-1)[ids_N] + pos_N
         send_row_N = torch.where(keep_N, send_row_N, R)
-        # 4. Move: write routes into their blocks (padding rows carry token 0; nobody reads them
-        #    and their gradient is zero), exchange fixed blocks.
+        # 4. Write routes into their blocks (padding rows carry token 0; nobody reads them and
+        #    their gradient is zero); `_move` exchanges the fixed blocks.
         route_of_row_R = _inverse_index(send_row_N, keep_N, R + 1, fill=T * K)  # row R: sink
         used_rows_R = route_of_row_R[:R] < T * K
         token_of_row_R = torch.where(used_rows_R, route_of_row_R[:R] // K, 0)
         send_RD = _GatherTokens.apply(x_TD, token_of_row_R, send_row_N.view(T, K))
-        recv_RD = self.transport.exchange(send_RD, payload=self.payload)
         # 5. One gather into expert-major order; positions past the last offset read the sink.
-        #    Every gather's backward is a gather by the inverse index (see moe.dispatch.gather_rows).
         start_sx = torch.arange(G, device=device)[:, None] * B + block_start_sdx[:, me, :]
         recv_row_R, offsets_e = _expert_major_index(kept_sdx[:, me, :], start_sx, R, sink_row=R)
-        recv_to_expert_major_R = _inverse_index(recv_row_R, recv_row_R < R, R + 1, fill=R)
-        rows_RD = gather_rows(recv_RD, recv_row_R, recv_to_expert_major_R)
-        handle = NoSyncHandle(
-            send_row_TK=send_row_N.view(T, K),
-            recv_to_expert_major_R=recv_to_expert_major_R[:R].clamp(max=R - 1),
+        arrive_back_R = _inverse_index(recv_row_R, recv_row_R < R, R + 1, fill=R)
+        handle = ExchangeHandle(
+            route_row_TK=send_row_N.view(T, K),
+            row_route_R=route_of_row_R,
             weights_TK=routing.weights_TK,
-            expert_major_to_recv_R=recv_row_R,
-            route_of_send_row_R=route_of_row_R,
+            arrive_R=recv_row_R,
+            arrive_back_R=arrive_back_R,
+            depart_R=arrive_back_R[:R].clamp(max=R - 1),
         )
         if torch.is_grad_enabled() and not is_recomputing():  # training forwards, once each
             self._record(keep_N, offsets_e, R)
-        return rows_RD, offsets_e, handle
+        return send_RD, handle, offsets_e
 
-    def combine(self, y_RD: torch.Tensor, handle: NoSyncHandle) -> torch.Tensor:
-        # 6. Reverse movement, then the weighted sum; dropped routes read the zero sink row.
-        T, K = handle.send_row_TK.shape
-        y_recv_RD = gather_rows(y_RD, handle.recv_to_expert_major_R, handle.expert_major_to_recv_R)
-        y_back_RD = self.transport.exchange(y_recv_RD)
-        y_N = gather_rows(y_back_RD, handle.send_row_TK.reshape(-1), handle.route_of_send_row_R)  # fmt: skip
-        return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
+    def _move(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool, begin: bool):
+        # 6. (combine) the reverse movement; the weighted sum reads dropped routes as the sink
+        payload = self.payload if forward else "bf16"
+        return (self.transport.begin if begin else self.transport.exchange)(rows_RD, payload)
 
     @staticmethod
     def _new_stats(device: torch.device | str) -> torch.Tensor:

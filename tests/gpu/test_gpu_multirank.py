@@ -263,7 +263,9 @@ def _dispatch_under_sync_debug(rank, world, kind, payload):
 
     step()  # warm-up: lazy initialization is not a per-step sync
     torch.cuda.synchronize()
-    patches = [mock.patch.object(comm, "_exchange", exempt(comm._exchange))]
+    launch_collective = comm._launch_collective  # the launch and the wait of each exchange
+    exempt_launch = lambda group: lambda *a: exempt(exempt(launch_collective(group))(*a))  # noqa: E731
+    patches = [mock.patch.object(comm, "_launch_collective", exempt_launch)]
     for name in ("all_gather_counts", "all_to_all_counts", "_sync_split_sizes"):
         patches.append(mock.patch.object(ep_dispatch, name, exempt(getattr(ep_dispatch, name))))
     for p in patches:

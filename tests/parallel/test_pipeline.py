@@ -45,7 +45,7 @@ from moetrain.presets import tiny
 pytestmark = pytest.mark.distributed
 
 STEPS, BATCH, SEQ, VOCAB, LAYERS, ACCUM = 3, 2, 16, 64, 4, 4
-MOE_OPTIONS = ("dispatcher", "routing")
+MOE_OPTIONS = ("dispatcher", "routing", "overlap")
 EOS = 5  # the "documents" option: document masking with reset positions, EOS at every 4th token
 
 
@@ -178,12 +178,14 @@ def test_pp2_matches_single_process():
 
 def test_pp2_dp2_ep2_matches_single_process():
     """pp=2 x dp=2 with ep=2 inside each stage (world 4): every schedule with the all-to-all
-    dispatcher, and two with the no-sync dispatcher (one under MoE checkpointing)."""
+    dispatcher, and two with the no-sync dispatcher (one under MoE checkpointing); 1f1b with
+    moe.overlap=two_chunk under full checkpointing."""
     cases = [(2, 2, 2, s, {}) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")]
     cases.append((2, 2, 2, "zero_bubble", {"dispatcher": "no_sync"}))
     cases.append(
         (2, 2, 2, "interleaved_1f1b", {"dispatcher": "no_sync", "activation_checkpointing": "moe"})
     )
+    cases.append((2, 2, 2, "1f1b", {"overlap": "two_chunk", "activation_checkpointing": "full"}))
     run_distributed(_run_cases, 4, cases)
 
 

@@ -1,0 +1,55 @@
+"""A one-process transport whose exchange runs where NCCL's would: on a side stream.
+
+`LoopbackTransport` plugs into `NoSyncDispatcher` (its `Transport`) as a group of one: the blocks
+come back to the rank that sent them, as a device copy. The copy runs on a side stream, ordered
+after the current stream when launched, and the current stream waits for it on the device when
+the exchange ends, exactly the two waits NCCL's stream gets (`comm.AsyncExchange`). So the
+overlapped MoE layer runs in one process on one GPU with the same stream structure it has on
+many, which the CUDA stream sanitizer (`TORCH_CUDA_SANITIZER=1`) can check, and which benchmarks
+time. `stand_in(send_RD)`, if given, runs on the side stream after the copy: a kernel that takes
+what the real exchange would take of the link (benchmarks/overlap.py).
+
+Memory: the side stream reads the input and writes the output, which the current stream
+allocated; both are `record_stream`-ed, so the allocator does not hand them out again before the
+copy is done. On the CPU there are no streams: the copy runs at once and the wait is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moetrain.parallel.comm import AsyncExchange, Wait
+
+
+class LoopbackTransport:
+    def __init__(self, stand_in: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.stand_in = stand_in
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
+        return self.begin(send_RD, payload).end()
+
+    def begin(self, send_RD: torch.Tensor, payload: str = "bf16") -> AsyncExchange:
+        return AsyncExchange(None, sink_rows=1, payload=payload, launch=self._launch).begin(send_RD)
+
+    def _launch(self, out: torch.Tensor, x: torch.Tensor, recv_splits, send_splits) -> Wait:
+        assert recv_splits is None and send_splits is None, "a group of one: equal blocks"
+        if x.device.type != "cuda":
+            out.copy_(x)
+            if self.stand_in is not None:
+                self.stand_in(x)
+            return lambda: None
+        # created once per device (on first use: before any CUDA-graph capture, in warm-up)
+        side = self._streams.setdefault(x.device, torch.cuda.Stream(x.device))
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            out.copy_(x)
+            if self.stand_in is not None:
+                self.stand_in(x)
+        x.record_stream(side)
+        out.record_stream(side)
+        done = torch.cuda.Event()
+        done.record(side)
+        return lambda: torch.cuda.current_stream(x.device).wait_event(done)
