@@ -8,7 +8,7 @@ seeds set the noise floor) on the embedded corpus. Results: a markdown table on 
 OUT/RESULTS.md, and raw numbers in OUT/results.json.
 
     python benchmarks/expert_lr_experiment.py --preset tiny --steps 200 --seeds 0 1 2
-    python benchmarks/expert_lr_experiment.py --preset demo --set train.eval_batches=16
+    python benchmarks/expert_lr_experiment.py --preset demo --set train.eval_sequences=256
 """
 
 from __future__ import annotations
