@@ -89,14 +89,14 @@ def _item(item: Any) -> tuple[str, tuple[str, ...], int]:
 
 @functools.cache  # a Task is immutable; reading the corpus takes seconds
 def continuation_task(num_items: int = 200, num_choices: int = 4, seed: int = 0) -> Task:
-    """The built-in task: 256 characters of a held-out document, then its next 32 characters
-    or 32 characters of another held-out document, all cut at a space."""
+    """The built-in task: 256 characters of a held-out document, then its next 16 characters
+    or 16 characters of another held-out document, all cut at a space."""
     docs = [d for label, d in split_documents(embedded_documents(), 0.05) if label == "val"]
     docs = [d for d in docs if len(d) >= 2048]
     if len(docs) < num_choices:
         raise ValueError("the embedded corpus holds too few documents for the built-in task")
     rng = np.random.default_rng(seed)
-    context_chars, choice_chars = 256, 32
+    context_chars, choice_chars = 256, 16
 
     def span_start(doc: str) -> int:  # a space at least context_chars in, room for a choice
         while True:

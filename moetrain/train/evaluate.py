@@ -154,14 +154,6 @@ class Evaluator:
                 "data names none (a pre-tokenized corpus prepared without --tokenizer)"
             )
         self.tasks = [TaskRows(task, tokenizer, t.seq_len) for task in load_tasks(t.eval_tasks)]
-        device = next(model.parameters()).device
-        self._choices = [
-            tuple(
-                torch.as_tensor(x, device=device)
-                for x in (r.choice_rows, r.choice_chars, r.answers)
-            )
-            for r in self.tasks
-        ]
 
     @property
     def num_sequences(self) -> int:
@@ -172,11 +164,14 @@ class Evaluator:
         sums = score_rows(self.model, rows, self.micro_batch, self.dims, self.pipeline)
         return sums.sum() / (rows.num_rows * self.seq_len)
 
-    def _accuracy(self, rows: TaskRows, choices: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _accuracy(self, rows: TaskRows) -> torch.Tensor:
         """(acc, acc_norm): the right choice has the highest log-likelihood, in total and per
         character."""
         loglik = -score_rows(self.model, rows, self.micro_batch, self.dims, self.pipeline)
-        rows_IC, chars_IC, answers_I = choices
+        rows_IC, chars_IC, answers_I = (
+            torch.as_tensor(x, device=loglik.device)
+            for x in (rows.choice_rows, rows.choice_chars, rows.answers)
+        )
         loglik_IC = torch.where(rows_IC >= 0, loglik[rows_IC.clamp(min=0)], -math.inf)
         hits = [
             (x.argmax(1) == answers_I).double().mean() for x in (loglik_IC, loglik_IC / chars_IC)
@@ -186,8 +181,8 @@ class Evaluator:
     def run(self, step: int) -> dict[str, Any]:
         """Score everything; the eval record of `step` (the same on every rank)."""
         values = [self._loss(rows) for rows in (*self.val.values(), *self.eval_sets.values())]
-        values += [self._accuracy(r, c) for r, c in zip(self.tasks, self._choices, strict=True)]
-        host = torch.cat([v.reshape(-1) for v in values]).tolist() if values else []
+        values += [self._accuracy(rows) for rows in self.tasks]
+        host = torch.cat([v.reshape(-1) for v in values]).tolist()
         losses, host = host[: len(self.val)], host[len(self.val) :]
         record: dict[str, Any] = {"kind": "eval", "step": step}
         if self.weights is None:

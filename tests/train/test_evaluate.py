@@ -19,11 +19,9 @@ from moetrain.train.evaluate import Evaluator, score_rows
 SEQ = 64
 
 
-def _model(seed: int = 0):
-    config = tiny().with_overrides([f"train.seed={seed}", "train.eval_sequences=13"])
-    model = build_model(config)
-    model.init_weights(seed)
-    return model, config
+def _model(*overrides: str):
+    config = tiny().with_overrides(["train.eval_sequences=13", *overrides])
+    return build_model(config), config
 
 
 def _task(num_items: int = 7) -> Task:
@@ -33,6 +31,12 @@ def _task(num_items: int = 7) -> Task:
     choices = tuple(tuple(f" {w}" for w in rng.choice(words, 2 + i % 3)) for i in range(num_items))
     answers = tuple(int(rng.integers(len(c))) for c in choices)
     return Task("words", contexts, choices, answers)
+
+
+def _write_task(task: Task, path) -> None:
+    items = zip(task.contexts, task.choices, task.answers, strict=True)
+    lines = [json.dumps({"context": c, "choices": list(o), "answer": a}) for c, o, a in items]
+    path.write_text("".join(line + "\n" for line in lines))
 
 
 @torch.no_grad()
@@ -55,15 +59,11 @@ def test_evaluation_is_fixed_and_equals_a_plain_reference(tmp_path):
     """The val loss is the mean NLL over the 13 windows heldout_windows picks, whatever the
     micro-batch; a second evaluation gives bitwise the same record; task scores and
     accuracies are those of unpadded forwards of each (context, choice)."""
-    model, config = _model()
-    tokens = np.random.default_rng(0).integers(0, 256, 50 * SEQ + 1)
     task = _task()
+    _write_task(task, tmp_path / "words.jsonl")
+    model, config = _model(f"train.eval_tasks=[{tmp_path / 'words.jsonl'}]")
+    tokens = np.random.default_rng(0).integers(0, 256, 50 * SEQ + 1)
     evaluator = Evaluator(config, model, ByteTokenizer(), tokens, eval_sets={"again": [tokens]})
-    evaluator.tasks = [TaskRows(task, ByteTokenizer(), SEQ)]
-    evaluator._choices = [
-        tuple(torch.as_tensor(x) for x in (r.choice_rows, r.choice_chars, r.answers))
-        for r in evaluator.tasks
-    ]
     first, second = evaluator.run(5), evaluator.run(5)
     assert first == second and first["eval_sets"]["again"] == first["val_loss"]
 
@@ -109,12 +109,8 @@ def test_dp2_ep2_evaluation_equals_one_process(tmp_path):
     cache = str(tmp_path / "cache")
     web = two_source_mix(tmp_path).split("path: ")[1].split(",")[0]
     task = tmp_path / "words.jsonl"
-    words = _task()
-    items = [
-        {"context": c, "choices": list(o), "answer": a}
-        for c, o, a in zip(words.contexts, words.choices, words.answers, strict=True)
-    ]
-    task.write_text("".join(json.dumps(item) + "\n" for item in items))
+    task = tmp_path / "words.jsonl"
+    _write_task(_task(), task)
     overrides = [
         "train.eval_sequences=13",
         "train.micro_batch_size=2",
@@ -142,7 +138,7 @@ def test_task_files_and_the_built_in_task(tmp_path):
     assert len(task.contexts) == 200 and {len(c) for c in task.choices} == {4}
     assert 0.15 < np.mean(np.array(task.answers) == 0) < 0.35  # the right choice moves around
     with pytest.raises(ValueError, match="cannot be scored in rows of train.seq_len"):
-        TaskRows(task, ByteTokenizer(), 16)  # 32-character choices
+        TaskRows(task, ByteTokenizer(), 8)  # 16-character choices
 
 
 def test_eval_sets_are_checked(tmp_path, tmp_cache):
