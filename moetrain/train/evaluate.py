@@ -151,7 +151,7 @@ class Evaluator:
         if t.eval_tasks and tokenizer is None:
             raise ValueError(
                 f"train.eval_tasks ({', '.join(t.eval_tasks)}) needs a tokenizer, and the run's "
-                "data names none (a pre-tokenized corpus prepared without --tokenizer)"
+                "data names none (random tokens, or a pre-tokenized corpus prepared without --tokenizer)"
             )
         self.tasks = [TaskRows(task, tokenizer, t.seq_len) for task in load_tasks(t.eval_tasks)]
 
