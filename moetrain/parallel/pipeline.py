@@ -270,7 +270,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        return losses  # empty but on the last stage
+        return losses  # empty except on the last stage
 
     def forward_backward(
         self,
