@@ -130,46 +130,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
+    from moetrain.train.evaluate import evaluate_checkpoint
 
-    from moetrain.checkpoint import manager
-    from moetrain.data import SequenceLoader, check_same_data, open_data, source_labels
-    from moetrain.inference import load_model
-    from moetrain.train.step import evaluate
-
-    if args.batches < 1:
-        raise ValueError(f"--batches ({args.batches}) must be >= 1")
+    if args.sequences is not None and args.sequences < 1:
+        raise ValueError(f"--sequences ({args.sequences}) must be >= 1")
     check_device(args.device)
-    path = manager.resolve(args.checkpoint)
-    model, config = load_model(path, args.device or "cpu")
-    trainer_state = json.loads((path / manager.TRAINER_STATE).read_text())
-    check_same_data(config.data, trainer_state.get("data_fingerprint"), path)
-    _, val_tokens, _ = open_data(config.data, config.model.vocab_size)
-    if config.data.sources:  # a mix: each source's val split, and their weighted mean
-        splits = dict(zip(source_labels(config.data), val_tokens, strict=True))
-        weights = [s.weight for s in config.data.sources]
-    else:
-        splits, weights = {"val": val_tokens}, [1.0]
-    losses, batches = {}, []
-    for label, tokens in splits.items():
-        loader = SequenceLoader(
-            tokens,
-            config.train.seq_len,
-            config.train.micro_batch_size,
-            seed=config.train.seed,
-            device=next(model.parameters()).device,
-        )
-        batches.append(min(args.batches, loader.batches_per_epoch))
-        losses[label] = evaluate(model, iter(loader), batches[-1]).item()
-    loss = sum(w * v for w, v in zip(weights, losses.values(), strict=True)) / sum(weights)
-    result = {
-        "checkpoint": str(path),
-        "step": trainer_state.get("step"),
-        "val_loss": loss,
-        "batches": min(batches),
-        "perplexity": float(torch.exp(torch.tensor(loss))),
-        **({"val_loss_per_source": losses} if config.data.sources else {}),
-    }
+    result = evaluate_checkpoint(
+        args.checkpoint,
+        device=args.device or "cpu",
+        data=args.data,
+        tasks=args.tasks,
+        sequences=args.sequences,
+    )
     print(json.dumps(result))
     return 0
 
@@ -303,9 +275,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="dry run: which rank to show")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="validation loss of a checkpoint")
+    p = sub.add_parser(
+        "eval",
+        help="score a checkpoint: its run's validation data, eval sets and tasks by default",
+    )
     p.add_argument("--checkpoint", required=True, help="checkpoint dir or run dir")
-    p.add_argument("--batches", type=int, default=50)
+    p.add_argument("--data", metavar="DIR", help="score this token directory (both splits) instead")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        metavar="TASK",
+        help="multiple-choice tasks instead of the run's train.eval_tasks: JSON-lines files or "
+        "built-in names (continuation)",
+    )
+    p.add_argument(
+        "--sequences", type=int, help="sequences to score (default: train.eval_sequences)"
+    )
     p.add_argument("--device")
     p.set_defaults(func=cmd_eval)
 

@@ -11,6 +11,7 @@ Errors are `ValueError`s that name the field path, the value and what is allowed
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import yaml
 from moetrain.config_sections import (
     DataConfig,
     DataSource,
+    EvalSet,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
@@ -32,6 +34,7 @@ __all__ = [
     "SECTIONS",
     "DataConfig",
     "DataSource",
+    "EvalSet",
     "ModelConfig",
     "MoEConfig",
     "ParallelConfig",
@@ -158,6 +161,7 @@ class RunConfig:
                 f"unknown config section(s) {sorted(map(str, unknown))}; allowed: name, "
                 f"{', '.join(SECTIONS)}"
             )
+        data = _migrate(data)
         kwargs: dict[str, Any] = {}
         if "name" in data:
             kwargs["name"] = coerce("name", str, data["name"])
@@ -190,7 +194,7 @@ class RunConfig:
                     f"{', '.join(SECTIONS)}"
                 )
             section, name = parts
-            if name not in data[section] and key not in REMOVED_FIELDS:
+            if name not in data[section] and key not in REMOVED_FIELDS and key not in MIGRATED:
                 raise ValueError(
                     f"unknown field {key!r}; {section} has: {', '.join(data[section])}"
                 )
@@ -199,6 +203,37 @@ class RunConfig:
             except yaml.YAMLError:
                 data[section][name] = raw
         return RunConfig.from_dict(data)
+
+
+# fields of older configs that `_migrate` reads in today's terms
+MIGRATED = ("train.eval_batches",)
+
+
+def _migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with the fields of older configs (a run's config.yaml, a YAML, --set) replaced by
+    today's, with a warning that says how. train.eval_batches counted micro-batches per
+    data-parallel rank, so its set changed with the layout; train.eval_sequences counts the
+    validation set's sequences."""
+    train = data.get("train")
+    if not isinstance(train, dict) or "eval_batches" not in train:
+        return data
+    train = dict(train)
+    batches = train.pop("eval_batches")
+    if isinstance(batches, int) and not isinstance(batches, bool) and batches > 0:
+        micro = train.get("micro_batch_size", TrainConfig.micro_batch_size)
+        train["eval_sequences"] = batches * micro if isinstance(micro, int) else batches
+        warnings.warn(
+            f"train.eval_batches ({batches}) is replaced by train.eval_sequences: read as "
+            f"{train['eval_sequences']} sequences (eval_batches x train.micro_batch_size), "
+            "scored the same at every evaluation in every layout; write eval_sequences instead",
+            FutureWarning,
+            stacklevel=3,
+        )
+    else:
+        fail(
+            "train.eval_batches", batches, "must be a positive integer (now: train.eval_sequences)"
+        )
+    return {**data, "train": train}
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -3,7 +3,8 @@
 A checkpoint's state means something only under two parts of the config it was trained with:
 the architecture (the shape and the meaning of every tensor, and the optimizer state's layout)
 and the data (the loader's saved position counts windows of these tokens, cut at this seq_len,
-batched by this micro-batch size and shuffled with this seed). A resume that changes one of
+batched by this micro-batch size and shuffled with this seed; the evaluations score fixed
+sequences of the val split and the eval sets, so that curves stay comparable across a resume). A resume that changes one of
 `FROZEN` is an error naming the field. Everything else may change and the difference is printed:
 the run's length and schedule, the cadences of logging, evaluation and checkpoints, the optimizer's
 hyperparameters, the parallel layout (checkpoints hold global tensors), kernels and precision of
@@ -39,7 +40,8 @@ FROZEN: dict[str, tuple[str, ...]] = {
         "routing",
         "num_shared_experts",
     ),
-    "train": ("seed", "seq_len", "micro_batch_size", "optimizer"),
+    # eval_sequences and data (eval_sets included) fix the sequences every evaluation scores
+    "train": ("seed", "seq_len", "micro_batch_size", "optimizer", "eval_sequences"),
     "data": ("*",),
     "precision": ("param_dtype", "master_weights"),
 }

@@ -217,7 +217,12 @@ class TrainConfig:
     cuda_graph: bool | None = None
     log_every: int = 10
     eval_every: int = 100  # 0 disables evaluation
-    eval_batches: int = 8
+    # the validation set: this many windows of seq_len tokens of the val split (all when it has
+    # fewer), the same at every evaluation and in every layout (moetrain.train.evaluate)
+    eval_sequences: int = 64
+    # multiple-choice tasks scored at every evaluation: JSON-lines files or built-in names
+    # (moetrain.data.tasks)
+    eval_tasks: tuple[str, ...] = ()
     checkpoint_every: int = 500  # 0: only at the end
     keep_checkpoints: int = 2
     max_bad_steps: int = 5  # consecutive skipped steps (NaN/inf, spikes) before save + stop
@@ -242,7 +247,7 @@ class TrainConfig:
             "beta2",
             "eps",
             "log_every",
-            "eval_batches",
+            "eval_sequences",
             "keep_checkpoints",
             "max_bad_steps",
         )
@@ -282,6 +287,14 @@ class DataSource:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalSet:
+    """A token directory scored at every evaluation, its own curve in the metrics."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where tokens come from. path None and no sources: the embedded corpus."""
 
@@ -302,8 +315,21 @@ class DataConfig:
     # the id that separates documents; None: the tokenizer's EOS (resolve_eos_id). Set it only
     # with document_masking; with random_tokens it must be set (benchmarks)
     eos_id: int | None = None
+    # token directories scored (both splits) at every evaluation besides the val split, e.g. in
+    # YAML [{name: wiki, path: data/wiki}]; prepared with the run's tokenizer
+    eval_sets: tuple[EvalSet, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.eval_sets and self.random_tokens:
+            fail("data.eval_sets", self.eval_sets, "needs real data, not data.random_tokens")
+        names = [s.name for s in self.eval_sets]
+        for i, eval_set in enumerate(self.eval_sets):
+            if not eval_set.name or "/" in eval_set.name or names.index(eval_set.name) != i:
+                fail(
+                    f"data.eval_sets[{i}].name",
+                    eval_set.name,
+                    "must be a non-empty name without '/', used once",
+                )
         if self.val_fraction is not None and not 0.0 < self.val_fraction < 1.0:
             fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
         if self.reset_positions and not self.document_masking:

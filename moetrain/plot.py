@@ -1,8 +1,10 @@
 """`moetrain plot RUN_DIR`: PNG charts of a run from its metrics.jsonl.
 
-Charts: loss.png (train and validation loss), throughput.png (tokens/s), lr.png, and, for runs
-with MoE layers, expert_load.png: one heatmap per layer of each expert's share of the routes at
-every log step (a balanced router is a flat 1/E band), under a curve of max/mean load per layer.
+Charts: loss.png (train and validation loss; a mix's per-source validation and each evaluation
+set too), tasks.png (accuracy of each multiple-choice task, when the run has some),
+throughput.png (tokens/s), lr.png, and, for runs with MoE layers, expert_load.png: one heatmap
+per layer of each expert's share of the routes at every log step (a balanced router is a flat 1/E
+band), under a curve of max/mean load per layer.
 matplotlib is optional (`pip install matplotlib`, or the `plot` extra). Figures are drawn on
 matplotlib's Agg canvas directly, without pyplot, so no global backend state is touched.
 """
@@ -50,9 +52,22 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     ax = fig.add_subplot()
     _line(ax, train, "loss", label="train")
     _line(ax, evals, "val_loss", label="validation", marker="o")
+    for group, prefix in (("val_loss_per_source", "validation: "), ("eval_sets", "")):
+        for name, points in _nested(evals, group).items():
+            ax.plot(*points, label=prefix + name, marker=".", linestyle="--")
     ax.set(xlabel="step", ylabel="loss", title=f"{run_dir.name}: loss")
     ax.legend()
     written.append(save(fig, "loss.png"))
+
+    tasks = _nested(evals, "tasks")
+    if tasks:
+        fig = new_figure()
+        ax = fig.add_subplot()
+        for name, points in tasks.items():
+            ax.plot(*points, label=name, marker="o")
+        ax.set(xlabel="step", ylabel="accuracy", title=f"{run_dir.name}: tasks", ylim=(0, 1))
+        ax.legend()
+        written.append(save(fig, "tasks.png"))
 
     for key, name, ylabel in (
         ("tokens_per_s", "throughput.png", "tokens/s"),
@@ -77,6 +92,23 @@ def _line(ax: Any, records: list[dict[str, Any]], key: str, **kwargs: Any) -> No
     if points:
         steps, values = zip(*points, strict=True)
         ax.plot(steps, values, **kwargs)
+
+
+def _nested(records: list[dict[str, Any]], group: str) -> dict[str, tuple[list, list]]:
+    """name -> (steps, values) of a record's mapping `group`: {name: float} curves (a mix's
+    sources, eval sets), or {task: {"acc": float, ...}} curves named "task/acc"."""
+    curves: dict[str, tuple[list, list]] = {}
+    for record in records:
+        for name, value in (record.get(group) or {}).items():
+            items = value.items() if isinstance(value, dict) else [(None, value)]
+            for key, number in items:
+                if isinstance(number, int | float):
+                    steps, values = curves.setdefault(
+                        name if key is None else f"{name}/{key}", ([], [])
+                    )
+                    steps.append(record["step"])
+                    values.append(number)
+    return curves
 
 
 def _expert_loads(train: list[dict[str, Any]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -144,7 +176,7 @@ def add_plot_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `plot RUN_DIR [--out DIR]`; the handler is set as the `func` default."""
     parser = subparsers.add_parser(
         "plot",
-        help="draw PNG charts of a run (loss, throughput, lr, expert load)",
+        help="draw PNG charts of a run (loss, tasks, throughput, lr, expert load)",
         description="Draw PNG charts of a run from RUN_DIR/metrics.jsonl (needs matplotlib).",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")

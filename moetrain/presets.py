@@ -41,7 +41,7 @@ def tiny() -> RunConfig:
             warmup_steps=5,
             log_every=5,
             eval_every=25,
-            eval_batches=4,
+            eval_sequences=32,
             checkpoint_every=25,
         ),
     )
@@ -61,7 +61,7 @@ def demo() -> RunConfig:
             warmup_steps=20,
             log_every=10,
             eval_every=100,
-            eval_batches=8,
+            eval_sequences=128,
             checkpoint_every=100,
         ),
         data=DataConfig(),

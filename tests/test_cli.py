@@ -78,12 +78,26 @@ def test_train_eval_generate(tmp_cache, tmp_path, capsys):
     )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 6
-    assert main(["eval", "--checkpoint", str(run), "--batches", "2"]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--sequences", "8"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["val_loss"] < 6.0 and result["step"] == 6
+    assert result["val_loss"] < 6.0 and result["step"] == 6 and result["sequences"] == 8
     assert result["checkpoint"] == str(run / "checkpoints" / "step-6")
-    assert main(["eval", "--checkpoint", str(run), "--batches", "0"]) == 2
-    assert "--batches (0) must be >= 1" in capsys.readouterr().err
+    assert result["data"].startswith("the val split of the embedded corpus")
+    assert main(["eval", "--checkpoint", str(run), "--sequences", "0"]) == 2
+    assert "--sequences (0) must be >= 1" in capsys.readouterr().err
+    # a token directory of its own, and a multiple-choice task, instead of the run's own
+    (tmp_path / "docs.jsonl").write_text('{"text": "print(1)"}\n' * 100)
+    assert main(["prepare", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "tok")]) == 0
+    task = tmp_path / "sums.jsonl"
+    task.write_text('{"context": "x = 1", "choices": [" + 1", "))"], "answer": 0}\n' * 3)
+    capsys.readouterr()
+    data = ["--data", str(tmp_path / "tok"), "--tasks", str(task), "continuation"]
+    assert main(["eval", "--checkpoint", str(run), *data]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert other["data"] == f"{tmp_path / 'tok'} (both splits)"
+    assert other["val_loss"] != result["val_loss"] and other["sequences"] == 13  # 900 tokens
+    assert set(other["tasks"]) == {"sums", "continuation"}
+    assert all(0 <= v <= 1 for scores in other["tasks"].values() for v in scores.values())
     assert main(["train", "--resume", "--quiet", "--run-dir", str(run)]) == 0
     assert "already at train.steps (6): nothing to train" in capsys.readouterr().err
     assert (

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from moetrain.config import RunConfig
@@ -35,13 +37,31 @@ BAD_VALUES = [
     ("precision.experts=fp4", "precision.experts"),
     ("train.adamw_kernel=cuda", "train.adamw_kernel"),
     ("precision.param_dtype=fp16", "precision.param_dtype"),
+    ("train.eval_sequences=0", "train.eval_sequences"),
+    ("train.eval_batches=0", "train.eval_batches"),
+    ("data.eval_sets=[{name: a/b, path: x}]", "data.eval_sets[0].name"),
+    ("data.eval_sets=[{name: a, path: x}, {name: a, path: y}]", "data.eval_sets[1].name"),
+    ("data.eval_sets=[{path: x}]", "data.eval_sets[0]"),
 ]
 
 
 @pytest.mark.parametrize("override,field", BAD_VALUES)
 def test_bad_value_names_the_field(override, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(field)):
         tiny().with_overrides([override])
+
+
+def test_eval_batches_of_older_configs_become_eval_sequences():
+    """train.eval_batches (micro-batches per data-parallel rank) is read as eval_batches x
+    micro_batch_size sequences, from a run's config.yaml or --set, with a warning."""
+    data = tiny().to_dict()
+    del data["train"]["eval_sequences"]
+    data["train"]["eval_batches"] = 3
+    with pytest.warns(FutureWarning, match=r"train.eval_batches \(3\) is replaced .* 24 seq"):
+        assert RunConfig.from_dict(data).train.eval_sequences == 24
+    with pytest.warns(FutureWarning):
+        config = tiny().with_overrides(["train.micro_batch_size=2", "train.eval_batches=5"])
+    assert config.train.eval_sequences == 10
 
 
 def test_triton_adamw_kernel_is_for_the_replicated_optimizer():

@@ -15,8 +15,9 @@ from moetrain.presets import tiny
 def test_frozen_and_free_fields():
     assert is_frozen("model.d_model") and is_frozen("moe.top_k") and is_frozen("train.seq_len")
     assert is_frozen("data.tokenizer") and is_frozen("precision.master_weights")
+    assert is_frozen("train.eval_sequences") and is_frozen("data.eval_sets")  # fix the eval rows
     free = ("train.steps", "train.lr", "train.log_every", "parallel.ep", "data.path", "name")
-    assert not any(is_frozen(k) for k in free)
+    assert not any(is_frozen(k) for k in (*free, "train.eval_every", "train.eval_tasks"))
     saved = tiny()
     lines = check_resumable(saved, saved.with_overrides(["train.steps=80"]), "run/config.yaml")
     assert lines == ["train.steps: 50 -> 80"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moetrain.plot import add_plot_parser, plot_run
+from moetrain.plot import _nested, add_plot_parser, plot_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -41,7 +41,16 @@ def _write_run(run_dir, num_steps=8, num_layers=2, num_experts=4):
             }
         )
         if step % 40 == 0:
-            lines.append({"kind": "eval", "step": step, "val_loss": 5.1 - 0.3 * i})
+            tasks = {"qa": {"acc": 0.1 * i, "acc_norm": 0.2}}
+            lines.append(
+                {
+                    "kind": "eval",
+                    "step": step,
+                    "val_loss": 5.1 - 0.3 * i,
+                    "eval_sets": {"wiki": 6.0 - i},
+                    "tasks": tasks,
+                }
+            )
     text = "".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "train", "st'
     (run_dir / "metrics.jsonl").write_text(text)
 
@@ -58,7 +67,17 @@ def test_plot_run_writes_pngs(tmp_path):
     _write_run(tmp_path)
     paths = plot_run(tmp_path)
     assert all(p.parent == tmp_path / "plots" for p in paths)
-    _assert_pngs(paths, ["loss.png", "throughput.png", "lr.png", "expert_load.png"])
+    _assert_pngs(paths, ["loss.png", "tasks.png", "throughput.png", "lr.png", "expert_load.png"])
+    # the curves drawn besides validation: each eval set's loss, each task's acc and acc_norm
+    from moetrain.train.observe import read_metrics
+
+    evals = read_metrics(tmp_path)[1]
+    assert _nested(evals, "eval_sets") == {"wiki": ([40, 80], [3.0, -1.0])}
+    tasks = _nested(evals, "tasks")
+    assert tasks == {
+        "qa/acc": ([40, 80], pytest.approx([0.3, 0.7])),
+        "qa/acc_norm": ([40, 80], [0.2, 0.2]),
+    }
 
 
 def test_plot_without_moe_records_skips_expert_load(tmp_path):
@@ -76,7 +95,7 @@ def test_plot_cli(tmp_path, capsys):
     args = parser.parse_args(["plot", str(tmp_path), "--out", str(tmp_path / "charts")])
     assert args.func(args) == 0
     printed = capsys.readouterr().out.split()
-    assert len(printed) == 4
+    assert len(printed) == 5
     assert all(Path(p).parent == tmp_path / "charts" and Path(p).is_file() for p in printed)
 
 

@@ -260,7 +260,7 @@ def check_same_vocabulary(cfg: DataConfig) -> dict[str, Any]:
     (its token ids would mean other things to the same model)."""
     metas = [read_meta(s.path) for s in cfg.sources]
     keys = ("tokenizer", "vocab_size", "eos_id")
-    identities = [_vocabulary(s.path, meta) for s, meta in zip(cfg.sources, metas, strict=True)]
+    identities = [vocabulary(s.path, meta) for s, meta in zip(cfg.sources, metas, strict=True)]
     for i, meta in enumerate(metas[1:], start=1):
         if identities[i] != identities[0]:
             raise ValueError(
@@ -272,7 +272,7 @@ def check_same_vocabulary(cfg: DataConfig) -> dict[str, Any]:
     return metas[0]
 
 
-def _vocabulary(data_dir: str, meta: dict[str, Any]) -> tuple[Any, ...]:
+def vocabulary(data_dir: str, meta: dict[str, Any]) -> tuple[Any, ...]:
     """What makes token ids mean the same: a Hugging Face tokenizer by its file's content (the
     copy in the directory; the same file may have been named by different paths), others by
     name; and the vocabulary size and EOS id."""

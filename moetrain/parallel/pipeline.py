@@ -38,7 +38,6 @@ every stage must agree on skipping a non-finite step; the gradient norm sums ove
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -257,6 +256,7 @@ class Pipeline:
             loss_fn=self._loss,
             scale_grads=False,
         )
+        self._score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         num_dense = config.model.num_dense_layers
         self._moe_positions = [
             int(key) - num_dense
@@ -265,6 +265,8 @@ class Pipeline:
         ]
 
     def _loss(self, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        if self._score_fn is not None:  # forward only (`score`)
+            return self._score_fn(h_BSD, targets_BS)
         return self.model.loss(h_BSD, targets_BS) / self.layout.num_microbatches
 
     def _next_batch(self, batches: Iterator[Batch]) -> Batch:
@@ -272,7 +274,7 @@ class Pipeline:
         micro = [next(batches) for _ in range(self.layout.accum_steps)]
         return torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
 
-    def _run(self, batches: Iterator[Batch], train: bool) -> torch.Tensor:
+    def _run(self, batches: Iterator[Batch], train: bool) -> list[torch.Tensor]:
         inputs_BS, targets_BS = self._next_batch(batches)
         args = (inputs_BS,) if self.has_first else ()
         # document masking: every stage derives the documents from the token ids, which every
@@ -282,9 +284,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        if not losses:  # not the last stage: it contributes zero to the sum over pp
-            return torch.zeros((), dtype=torch.float32, device=self.dims.device)
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        return losses  # empty except on the last stage
 
     def forward_backward(
         self,
@@ -297,18 +297,29 @@ class Pipeline:
             stage.no_sync = no_sync
         for layer in self.model.moe_layers():
             layer.aux_grad_scale = 1.0 / self.layout.num_microbatches
-        return self._sum_over_stages(self._run(batches, train=True))
+        losses = self._run(batches, train=True)
+        if not losses:  # not the last stage: it contributes zero to the sum over pp
+            return self._sum_over_stages(torch.zeros((), device=self.dims.device))
+        return self._sum_over_stages(torch.stack([loss.detach() for loss in losses]).sum())
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterator[Batch], num_batches: int) -> torch.Tensor:
-        """Mean loss over `num_batches` loader micro-batches, rounded up to whole steps of
-        `accum_steps` micro-batches (the schedule's batch), on every rank."""
+    def score(
+        self,
+        batches: Iterator[Batch],
+        num_steps: int,
+        score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Forward only, `num_steps` steps of `accum_steps` loader micro-batches each: the last
+        stage's `score_fn(h_BSD, targets)` of every pipeline micro-batch (targets as the loader
+        gave them, split with the inputs); an empty list on other ranks."""
         was_training = self.model.training
         self.model.eval()
-        num_steps = math.ceil(num_batches / self.layout.accum_steps)
-        losses = [self._run(batches, train=False) for _ in range(num_steps)]
-        self.model.train(was_training)
-        return self._sum_over_stages(torch.stack(losses).mean())
+        self._score_fn = score_fn
+        try:
+            return [s for _ in range(num_steps) for s in self._run(batches, train=False)]
+        finally:
+            self._score_fn = None
+            self.model.train(was_training)
 
     def _sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
         value = value.float()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moetrain.checkpoint import manager
@@ -18,7 +19,6 @@ from moetrain.data import (
     RandomTokenLoader,
     SequenceLoader,
     open_data,
-    source_labels,
 )
 from moetrain.model.transformer import Transformer
 from moetrain.moe.grouped_gemm import make_grouped_gemm
@@ -236,34 +236,29 @@ def claim_run_dir(run_dir: Path, checkpoint_root: Path, overwrite: bool, is_main
 
 
 def build_loaders(cfg: RunConfig, d: ParallelDims, device: torch.device):
-    """(train loader, val loader or {source: loader} for a mix, tokenizer or None) of this
-    data-parallel rank: random ids, one token directory, or a weighted mix of sources."""
+    """(train loader of this data-parallel rank, the val tokens (one array, or a list with one
+    per source of a mix), tokenizer or None): random ids, one token directory, or a weighted mix
+    of sources."""
     t = cfg.train
     if cfg.data.random_tokens:
-        make = lambda seed: RandomTokenLoader(  # noqa: E731
+        train = RandomTokenLoader(
             cfg.model.vocab_size,
             t.seq_len,
             t.micro_batch_size,
-            seed=seed,
+            seed=t.seed,
             rank=d.dp_rank,
             device=device,
         )
-        return make(t.seed), make(t.seed + 1), None
+        rng = np.random.default_rng([t.seed, 1])
+        return train, rng.integers(0, cfg.model.vocab_size, t.eval_sequences * t.seq_len + 1), None
     train_tokens, val_tokens, tokenizer = open_data(cfg.data, cfg.model.vocab_size)
     common = dict(rank=d.dp_rank, world_size=d.dp, device=device)
     shape = (t.seq_len, t.micro_batch_size)
-    if cfg.data.sources:  # a mix: one val loader per source, evaluated one by one
+    if cfg.data.sources:
         weights = [s.weight for s in cfg.data.sources]
-        train = MixedLoader(train_tokens, weights, *shape, seed=t.seed, **common)
-        val = {}
-        labels = source_labels(cfg.data)
-        for i, (label, tokens) in enumerate(zip(labels, val_tokens, strict=True)):
-            try:
-                val[label] = SequenceLoader(tokens, *shape, seed=t.seed, **common)
-            except ValueError as exc:
-                where = f"data.sources[{i}] ({cfg.data.sources[i].path})"
-                raise ValueError(f"the val split of {where}: {exc}") from None
-        return train, val, tokenizer
-    train = SequenceLoader(train_tokens, *shape, seed=t.seed, **common)
-    val = SequenceLoader(val_tokens, *shape, seed=t.seed, **common)
-    return train, val, tokenizer
+        return (
+            MixedLoader(train_tokens, weights, *shape, seed=t.seed, **common),
+            val_tokens,
+            tokenizer,
+        )
+    return SequenceLoader(train_tokens, *shape, seed=t.seed, **common), val_tokens, tokenizer

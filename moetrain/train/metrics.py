@@ -222,7 +222,10 @@ class Console:
 
 def _format(record: dict[str, Any]) -> str:
     if record.get("kind") == "eval":
-        return f"val_loss {record['val_loss']:.4f}"
+        parts = [f"val_loss {record['val_loss']:.4f}"]
+        parts += [f"{name} {loss:.4f}" for name, loss in record.get("eval_sets", {}).items()]
+        parts += [f"{name} acc {s['acc']:.3f}" for name, s in record.get("tasks", {}).items()]
+        return "  ".join(parts)
     parts = [
         f"loss {record['loss']:.4f}",
         f"lr {record['lr']:.2e}",

@@ -16,7 +16,8 @@ metrics.jsonl holds one JSON object per line, appended by the trainer:
      "tflops", "mfu", "peak_mem_gib", "skipped_steps", "moe": [{"layer": int, **routing_summary}],
      "epoch": completed passes over the training data (a mix: "epoch_per_source": {source: int}),
      "tokens_per_source": {source: int} (a mix of data.sources only)}
-    {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix only)}
+    {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix only),
+     "eval_sets": {name: float}, "tasks": {name: {"acc", "acc_norm"}} (when configured)}
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ class TensorBoardWriter:
     no-op (`enabled` is False). Missing or None values are skipped.
     Tags: loss/train, loss/val, aux/*, optim/*, perf/*, moe/{layer}/{max_mean, cv,
     zero_frac, entropy, lb_loss, drop_frac}, data/epoch, and for a mix data/tokens/*,
-    data/epoch/* and loss/val/* (`scalar_tags`).
+    data/epoch/* and loss/val/*, and loss/eval/* and tasks/* (`scalar_tags`).
     """
 
     def __init__(self, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
@@ -305,7 +306,8 @@ class TensorBoardWriter:
 def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
     """The scalars of a train/eval record under their TensorBoard (and W&B) tags; missing and
     None values are left out. A mix adds data/tokens/{source}, data/epoch/{source} and
-    loss/val/{source}."""
+    loss/val/{source}, evaluation sets loss/eval/{name}, tasks tasks/{name}/acc and
+    tasks/{name}/acc_norm."""
     tags: dict[str, Any] = {tag: record.get(key) for key, tag in _TB_TAGS.items()}
     for layer in record.get("moe") or ():
         for key in _TB_MOE_KEYS:
@@ -316,6 +318,11 @@ def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
         tags[f"data/epoch/{source}"] = epoch
     for source, loss in (record.get("val_loss_per_source") or {}).items():
         tags[f"loss/val/{source}"] = loss
+    for name, loss in (record.get("eval_sets") or {}).items():
+        tags[f"loss/eval/{name}"] = loss
+    for name, scores in (record.get("tasks") or {}).items():
+        for key, value in scores.items():
+            tags[f"tasks/{name}/{key}"] = value
     return {
         tag: value
         for tag, value in tags.items()

@@ -42,17 +42,3 @@ def forward_backward(
         loss = loss.detach()
         loss_sum = loss if loss_sum is None else loss_sum + loss
     return loss_sum / accum_steps
-
-
-@torch.no_grad()
-def evaluate(model: Transformer, batches: Iterator[Batch], num_batches: int) -> torch.Tensor:
-    """Mean validation loss over `num_batches` batches, as a device scalar."""
-    was_training = model.training
-    model.eval()
-    total = None
-    for _ in range(num_batches):
-        inputs_BS, targets_BS = next(batches)
-        loss = model.loss(model(inputs_BS), targets_BS)
-        total = loss if total is None else total + loss
-    model.train(was_training)
-    return total / num_batches

@@ -59,6 +59,7 @@ from moetrain.train.build import (
     claim_run_dir,
     resolve_param_dtype,
 )
+from moetrain.train.evaluate import Evaluator
 from moetrain.train.graph import StepGraph
 from moetrain.train.log_stats import collect_log_values
 from moetrain.train.metrics import Console, EpochLog, MetricsSink, Throughput, peak_memory_gib
@@ -135,8 +136,11 @@ class Trainer:
         self.optimizer = build_optimizer(model, config, self.dims)
 
         # ---- data ----
-        self.train_loader, self.val_loader, self.tokenizer = build_loaders(
-            self.config, self.dims, self.device
+        self.train_loader, val, self.tokenizer = build_loaders(self.config, self.dims, self.device)
+        self.evaluator = (  # the same sequences at every evaluation: nothing to checkpoint
+            Evaluator(config, model, self.tokenizer, val, dims=self.dims, pipeline=self.pipeline)
+            if t.eval_every
+            else None
         )
         self.data_fingerprint = data_fingerprint(config.data)
         self._tokenizer_files = (  # every checkpoint carries them (data/tokenizer_files.py)
@@ -437,36 +441,12 @@ class Trainer:
         return record["loss"]
 
     def _evaluate(self) -> float:
-        """Mean loss over eval_batches of val; for a mix, each source's and their weighted mean
-        (val_loss: the loss of the mix the run trains on)."""
-        if not isinstance(self.val_loader, dict):
-            value = self._val_loss(self.val_loader)
-            record = {"kind": "eval", "step": self.step, "val_loss": value}
-        else:
-            per_source = {label: self._val_loss(v) for label, v in self.val_loader.items()}
-            weights = [s.weight for s in self.config.data.sources]
-            mixed = sum(w * v for w, v in zip(weights, per_source.values(), strict=True))
-            value = mixed / sum(weights)
-            record = {
-                "kind": "eval",
-                "step": self.step,
-                "val_loss": value,
-                "val_loss_per_source": per_source,
-            }
+        """Score the validation set, eval sets and tasks (train/evaluate.py); log the record."""
+        record = self.evaluator.run(self.step)
         if self.is_main:
             self.metrics.write(record)
             self.console.update(self.step, record)
-        return value
-
-    def _val_loss(self, loader) -> float:
-        if self.pipeline is not None:
-            loss = self.pipeline.evaluate(iter(loader), self.config.train.eval_batches)
-        else:
-            loss = train_step.evaluate(self.model, iter(loader), self.config.train.eval_batches)
-        if self.dims.world_size > 1:
-            all_reduce_stats([loss], self.dims)
-            loss = loss / self.dims.dp
-        return loss.item()
+        return record["val_loss"]
 
     # ------------------------------------------------------------------ checkpoints
     def tensor_state(self) -> dict[str, Any]:

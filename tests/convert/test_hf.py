@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from moetrain.checkpoint import manager  # noqa: E402
+from moetrain.cli import main  # noqa: E402
 from moetrain.config import RunConfig  # noqa: E402
 from moetrain.convert import hf  # noqa: E402
 from moetrain.convert.cli import add_convert_parsers, parse_size  # noqa: E402
@@ -292,7 +293,7 @@ def test_tokenizer_files_travel_both_ways(tmp_path):
     assert (tmp_path / "imported" / "tokenizer" / "tokenizer_config.json").is_file()
 
 
-def test_cli_export_and_import(tmp_path, capsys):
+def test_cli_export_and_import(tmp_path, tmp_cache, capsys):
     parser = argparse.ArgumentParser(prog="moetrain")
     add_convert_parsers(parser.add_subparsers(dest="command", required=True))
     config = tiny()
@@ -316,6 +317,11 @@ def test_cli_export_and_import(tmp_path, capsys):
     args = parser.parse_args(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "imp")])
     assert args.func(args) == 0
     assert "--init-from" in capsys.readouterr().out
+    # `eval` of it says what it scored: the checkpoint names no data (#41.7)
+    assert main(["eval", "--checkpoint", str(tmp_path / "imp"), "--sequences", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["data"].startswith("the val split of the embedded corpus")
+    assert result["note"].startswith(f"imported from {(tmp_path / 'hf').resolve()}")
     with pytest.raises(ValueError, match="already holds checkpoints"):
         args.func(args)
     with pytest.raises(ValueError, match="only safetensors"):

@@ -165,7 +165,7 @@ def test_cli_prepares_and_trains_tiny_on_pretokenized(tmp_path, capsys):
         "--set",
         "train.eval_every=2",
         "--set",
-        "train.eval_batches=1",
+        "train.eval_sequences=8",
     ]
     assert (
         main([*train, "--run-dir", str(tmp_path / "small"), "--set", "model.vocab_size=256"]) == 2
@@ -181,7 +181,7 @@ def test_cli_prepares_and_trains_tiny_on_pretokenized(tmp_path, capsys):
     resume = ["train", "--resume", "--quiet", "--run-dir", run, "--set", "train.steps=3"]
     assert main(resume) == 0  # the recorded fingerprint matches the indexed files
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
-    assert main(["eval", "--checkpoint", run, "--batches", "1"]) == 0
+    assert main(["eval", "--checkpoint", run, "--sequences", "8"]) == 0
     assert main(["generate", "--checkpoint", run, "--prompt", "x"]) == 2
     assert "names no tokenizer, so its ids cannot be decoded" in capsys.readouterr().err
 

@@ -96,10 +96,11 @@ def test_cuda_graph_replays_the_eager_step_bit_for_bit(tmp_path, precision):
 
 
 def test_graphed_run_with_eval_checkpoints_and_resume_matches_uninterrupted(tmp_cache, tmp_path):
-    """A graphed training run on the embedded corpus, with evaluation and checkpoints between
-    replays, stopped at step 6 and resumed (which rebuilds the graph: two eager steps, a new
-    capture): losses and weights bit for bit those of the uninterrupted run (math attention, as
-    cuDNN's backward is not deterministic)."""
+    """A graphed training run on the embedded corpus, with evaluation (val loss and the built-in
+    task, compiled) and checkpoints between replays, stopped at step 6 and resumed (which
+    rebuilds the graph: two eager steps, a new capture): losses, eval rows and weights bit for
+    bit those of the uninterrupted run (math attention, as cuDNN's backward is not
+    deterministic)."""
     import json
 
     from moetrain.presets import tiny
@@ -114,12 +115,13 @@ def test_graphed_run_with_eval_checkpoints_and_resume_matches_uninterrupted(tmp_
                 "train.log_every=2",
                 "model.attention_backend=math",
                 "train.cuda_graph=true",
+                "train.eval_tasks=[continuation]",
             ]
         )
 
-    def losses(run_dir):
+    def losses(run_dir, kind="train"):
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in lines if r["kind"] == "train"}
+        return {r["step"]: r if kind == "eval" else r["loss"] for r in lines if r["kind"] == kind}
 
     full = Trainer(cfg(12), tmp_path / "full", device="cuda", progress=False)
     full.train()
@@ -130,6 +132,8 @@ def test_graphed_run_with_eval_checkpoints_and_resume_matches_uninterrupted(tmp_
     resumed.train()
     a, b = losses(tmp_path / "full"), losses(tmp_path / "part")
     assert all(a[step] == b[step] for step in (8, 10, 12)), (a, b)
+    a, b = losses(tmp_path / "full", "eval"), losses(tmp_path / "part", "eval")
+    assert a[8] == b[8] and a[12] == b[12] and "continuation" in a[12]["tasks"], (a, b)
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(p, q), name
 

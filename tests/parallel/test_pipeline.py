@@ -29,6 +29,7 @@ from moetrain.config import (
     RunConfig,
     TrainConfig,
 )
+from moetrain.data.heldout import WindowRows
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.optim.clip import global_grad_norm, params_with_kinds
 from moetrain.optim.param_groups import build_param_groups
@@ -41,6 +42,7 @@ from moetrain.parallel import (
 )
 from moetrain.parallel.pipeline import Pipeline, pipeline_layout, split_model
 from moetrain.presets import tiny
+from moetrain.train.evaluate import score_rows
 
 pytestmark = pytest.mark.distributed
 
@@ -134,15 +136,12 @@ def run_case(config: RunConfig) -> None:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    # Evaluation: forward-only through the schedule, 2 x accum micro-batches per dp rank.
-    held_out = torch.randint(0, VOCAB, (dp, 2 * accum, BATCH, SEQ + 1), generator=generator)
-    reference.eval()
-    with torch.no_grad():
-        ref_val = torch.stack(
-            [reference.loss(reference(b[:, :-1]), b[:, 1:]) for b in held_out[dims.dp_rank]]
-        ).mean()
-    batches = iter([(b[:, :-1], b[:, 1:]) for b in held_out[dims.dp_rank]])
-    assert_close_rel(pipeline.evaluate(batches, 2 * accum), ref_val, "validation loss")
+    # Evaluation: forward-only through the schedule; 9 windows (padded to whole steps on every
+    # dp rank), each row's summed NLL equal to the reference's on every rank.
+    held_out = torch.randint(0, VOCAB, (9 * SEQ + 1,), generator=generator).numpy()
+    rows = WindowRows([held_out], SEQ, 9, "held-out tokens")
+    expected = score_rows(reference, rows, BATCH)
+    assert_close_rel(score_rows(model, rows, BATCH, dims, pipeline), expected, "row NLL")
     assert model.training
     # Each weight lives on one stage: over all ranks, dense weights are held dp times and
     # expert weights dp / ep times (ep ranks hold disjoint slices).
@@ -243,9 +242,8 @@ def _records(run_dir: Path, kind: str) -> dict[int, dict]:
 
 
 def _trainer_config(pp: int, dp: int, ep: int) -> RunConfig:
-    # the same 16 sequences per step, in micro-batches of 2, in every layout; evaluation runs
-    # at step 2, between the steps compared (the validation loader's position is not
-    # checkpointed, so validation losses are not compared across the resume)
+    # the same 16 sequences per step, in micro-batches of 2, in every layout; evaluation of the
+    # same 5 windows (padded to whole pipeline steps on each dp rank) at steps 2 and 4
     return tiny().with_overrides(
         [
             "model.d_model=32",
@@ -257,7 +255,7 @@ def _trainer_config(pp: int, dp: int, ep: int) -> RunConfig:
             "train.steps=4",
             "train.log_every=1",
             "train.eval_every=2",
-            "train.eval_batches=2",
+            "train.eval_sequences=5",
             "train.checkpoint_every=2",
             "moe.lb_loss_weight=0.1",
             "moe.z_loss_weight=0.01",
@@ -286,6 +284,8 @@ def test_trainer_checkpoint_from_pp2_resumes_at_pp1(tmp_path):
     _train(0, 1, str(target), cache, 1, 1, 1, True)
     reference, resumed = _records(source, "train"), _records(target, "train")
     assert sorted(reference) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    a, b = _records(source, "eval")[4]["val_loss"], _records(target, "eval")[4]["val_loss"]
+    assert abs(a - b) <= 1e-5 * b, (a, b)
     for step in (3, 4):
         a, b = reference[step], resumed[step]
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (step, a["loss"], b["loss"])

@@ -30,8 +30,9 @@ def _losses(run_dir: Path) -> dict[int, float]:
 )
 def test_torchrun_ep2_matches_one_process(tmp_path, dispatcher):
     """2 processes with ep=2 (micro-batch 4 each) vs 1 process accumulating 2 micro-batches of 4:
-    the same global batch, the same micro-batches, so the same losses. Both EP dispatchers (the
-    NoSync one with capacity factor E / K, which never drops a route)."""
+    the same global batch, the same micro-batches, so the same losses, and the same validation
+    loss. Both EP dispatchers (the NoSync one with capacity factor E / K, which never drops a
+    route)."""
     cache = tmp_path / "cache"
     env = {**os.environ, "MOETRAIN_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     common = [
@@ -43,7 +44,9 @@ def test_torchrun_ep2_matches_one_process(tmp_path, dispatcher):
         "--set",
         "train.log_every=1",
         "--set",
-        "train.eval_every=0",
+        "train.eval_every=6",
+        "--set",
+        "train.eval_sequences=13",
         "--set",
         "train.micro_batch_size=4",
         "--set",
@@ -95,11 +98,19 @@ def test_torchrun_ep2_matches_one_process(tmp_path, dispatcher):
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-4 * abs(a[step]), (step, a[step], b[step])
+    # the same 13 validation windows, dealt to two ranks and padded to equal micro-batches
+    va, vb = _val_losses(tmp_path / "one"), _val_losses(tmp_path / "two")
+    assert list(va) == list(vb) == [6] and abs(va[6] - vb[6]) <= 1e-4 * va[6], (va, vb)
     # router statistics are means over the dp ranks, as over the one process's micro-batches
     for key in ("lb_loss", "z_loss", "entropy"):
         ra, rb = _router_stat(tmp_path / "one", key), _router_stat(tmp_path / "two", key)
         for step in ra:
             assert abs(ra[step] - rb[step]) <= 1e-4 * abs(ra[step]), (key, step, ra, rb)
+
+
+def _val_losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in lines if r["kind"] == "eval"}
 
 
 def _router_stat(run_dir, key: str) -> dict[int, float]:

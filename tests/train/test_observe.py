@@ -288,3 +288,5 @@ def test_scalar_tags_name_each_source_of_a_mix():
     assert scalar_tags({"step": 4, "epoch": 2}) == {"data/epoch": 2}
     evals = {"step": 4, "val_loss": 2.5, "val_loss_per_source": {"web": 2.0, "code": 3.0}}
     assert scalar_tags(evals) == {"loss/val": 2.5, "loss/val/web": 2.0, "loss/val/code": 3.0}
+    evals = {"step": 4, "val_loss": 2.5, "eval_sets": {"wiki": 3.5}, "tasks": {"qa": {"acc": 0.5}}}
+    assert scalar_tags(evals) == {"loss/val": 2.5, "loss/eval/wiki": 3.5, "tasks/qa/acc": 0.5}

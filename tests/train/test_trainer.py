@@ -70,31 +70,50 @@ def test_fp8_training_on_tiny_tracks_bf16(tmp_cache, tmp_path):
     assert abs(a[20] - b[20]) < 0.02 * b[20], (a[20], b[20])
 
 
+def _records(run_dir: Path, kind: str) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if r["kind"] == kind}
+
+
+def _task_file(path: Path) -> Path:
+    items = [
+        {"context": f"def f{i}(x):\n    return", "choices": [" x + 1", " the", "()"], "answer": 0}
+        for i in range(5)
+    ]
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return path
+
+
 def test_resume_is_bitwise(tmp_cache, tmp_path, monkeypatch):
-    Trainer(
-        _cfg("train.steps=12", "train.checkpoint_every=6"), tmp_path / "full", progress=False
-    ).train()
-    Trainer(
-        _cfg("train.steps=6", "train.checkpoint_every=6"), tmp_path / "part", progress=False
-    ).train()
+    """Train losses, weights and every evaluation (val loss, an eval set, a task) of a run
+    resumed at step 6 equal the uninterrupted run's bit for bit."""
+    web = two_source_mix(tmp_path).split("path: ")[1].split(",")[0]
+    evals = (
+        "train.checkpoint_every=6",
+        "train.eval_every=4",
+        f"data.eval_sets=[{{name: web, path: {web}}}]",
+        f"train.eval_tasks=[{_task_file(tmp_path / 'fn.jsonl')}]",
+    )
+    Trainer(_cfg("train.steps=12", *evals), tmp_path / "full", progress=False).train()
+    Trainer(_cfg("train.steps=6", *evals), tmp_path / "part", progress=False).train()
     hashed = []  # a resume reads each checkpoint file's bytes for its hash once, not twice
     sha256 = manager._sha256
     monkeypatch.setattr(manager, "_sha256", lambda path: hashed.append(path) or sha256(path))
     # A resumed run with a longer horizon must reuse the same schedule: resume with steps=12
-    t = Trainer(
-        _cfg("train.steps=12", "train.checkpoint_every=6"),
-        tmp_path / "part",
-        resume=True,
-        progress=False,
-    )
+    t = Trainer(_cfg("train.steps=12", *evals), tmp_path / "part", resume=True, progress=False)
     assert t.step == 6
     assert len(hashed) == len(set(hashed)) == len(list(t.resumed_from.iterdir())) - 1
     t.train()
     full, part = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
     for step in (8, 10, 12):
         assert full[step] == part[step], (step, full[step], part[step])
-    ta = Trainer(_cfg("train.steps=12"), tmp_path / "full", resume=True, progress=False)
-    tb = Trainer(_cfg("train.steps=12"), tmp_path / "part", resume=True, progress=False)
+    full, part = _records(tmp_path / "full", "eval"), _records(tmp_path / "part", "eval")
+    assert sorted(full) == [4, 8, 12] and sorted(part) == [4, 6, 8, 12]
+    assert set(full[12]["eval_sets"]) == {"web"} and set(full[12]["tasks"]) == {"fn"}
+    for step in (8, 12):
+        assert full[step] == part[step], (step, full[step], part[step])
+    ta = Trainer(_cfg("train.steps=12", *evals), tmp_path / "full", resume=True, progress=False)
+    tb = Trainer(_cfg("train.steps=12", *evals), tmp_path / "part", resume=True, progress=False)
     for (name, p), (_, q) in zip(
         ta.model.state_dict().items(), tb.model.state_dict().items(), strict=True
     ):
@@ -103,12 +122,13 @@ def test_resume_is_bitwise(tmp_cache, tmp_path, monkeypatch):
 
 def test_resume_is_bitwise_on_a_two_source_mix(tmp_path, capsys):
     mix = two_source_mix(tmp_path)
-    common = (mix, "train.checkpoint_every=4", "train.eval_every=4", "train.eval_batches=1")
+    common = (mix, "train.checkpoint_every=4", "train.eval_every=4", "train.eval_sequences=8")
     Trainer(_cfg("train.steps=8", *common), tmp_path / "full", progress=False).train()
     Trainer(_cfg("train.steps=4", *common), tmp_path / "part", progress=False).train()
     Trainer(_cfg("train.steps=8", *common), tmp_path / "part", resume=True, progress=False).train()
     full, part = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
     assert [full[s] for s in (6, 8)] == [part[s] for s in (6, 8)]
+    assert _records(tmp_path / "full", "eval")[8] == _records(tmp_path / "part", "eval")[8]
     records = {}
     for run in ("full", "part"):
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
@@ -124,9 +144,13 @@ def test_resume_is_bitwise_on_a_two_source_mix(tmp_path, capsys):
     per_source = evals[-1]["val_loss_per_source"]
     mixed = 0.7 * per_source["web"] + 0.3 * per_source["code"]
     assert evals[-1]["val_loss"] == pytest.approx(mixed)
-    assert main(["eval", "--checkpoint", str(tmp_path / "full"), "--batches", "1"]) == 0
+    assert main(["eval", "--checkpoint", str(tmp_path / "full")]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result["val_loss_per_source"]) == {"web", "code"} and result["step"] == 8
+    assert result["step"] == 8 and result["data"].startswith("the val splits of data.sources")
+    # the run's own evaluation, from its checkpoint: the same sequences, the same losses
+    assert (
+        result["val_loss_per_source"] == per_source and result["val_loss"] == evals[-1]["val_loss"]
+    )
 
 
 def test_resume_is_bitwise_with_document_masking_on_a_two_source_mix(tmp_path):

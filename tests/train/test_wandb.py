@@ -41,7 +41,7 @@ def fake_wandb(monkeypatch, tmp_path):
 
 def _cfg(*overrides):
     return tiny().with_overrides(
-        ["train.log_every=2", "train.eval_every=4", "train.eval_batches=1", *overrides]
+        ["train.log_every=2", "train.eval_every=4", "train.eval_sequences=8", *overrides]
     )
 
 

@@ -1,0 +1,261 @@
+"""Evaluation: a run's validation loss, its evaluation sets and its multiple-choice tasks, scored
+on the same sequences at every evaluation and in every layout.
+
+What is scored is rows (moetrain.data.heldout): `train.eval_sequences` windows of the val split
+(of each source of a mix) and of each `data.eval_sets` directory, and the (context, choice) pairs
+of each `train.eval_tasks` task (moetrain.data.tasks). Row i goes to data-parallel rank i mod dp;
+a rank's rows are cut into micro-batches of `train.micro_batch_size` (under pp, whole steps of
+`accum_steps` of them, the schedule's batch) and padded with unscored rows, so that every rank
+runs the same forwards with the same shapes (expert-parallel and pipeline collectives need it; a
+compiled block sees the training shape). A row's summed negative log-likelihood over its scored
+targets lands in its own slot of a float64 vector that is summed over dp and pp: each slot has one
+contributor, so the sum is exact and equals one process's whenever a row's forward does not
+depend on the rows batched with it. Nothing is read on the host before the record is built (one
+read per evaluation) and nothing is checkpointed: the sets are functions of the config and data.
+
+The record (metrics.jsonl, TensorBoard and W&B through `observe.scalar_tags`):
+    {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix),
+     "eval_sets": {name: float}, "tasks": {name: {"acc": float, "acc_norm": float}}}
+A loss is the mean over the scored tokens; val_loss of a mix is its sources' weighted mean.
+`evaluate_checkpoint` is `moetrain eval`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moetrain.checkpoint import manager
+from moetrain.config import RunConfig
+from moetrain.data import check_same_data, open_data, source_labels
+from moetrain.data.heldout import IGNORE, WindowRows, open_eval_set
+from moetrain.data.tasks import TaskRows, load_tasks
+from moetrain.model.transformer import Transformer
+from moetrain.parallel.data import all_reduce_stats
+from moetrain.parallel.mesh import ParallelDims
+from moetrain.parallel.pipeline import Pipeline
+
+LOGIT_TOKENS = 2048  # tokens whose fp32 logits exist at once while scoring
+
+
+def token_nll(model: Transformer, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood (fp32) of each target given the final hidden states; 0 where the
+    target is IGNORE. The logits are formed LOGIT_TOKENS tokens at a time."""
+    h_TD, targets_T = h_BSD.reshape(-1, h_BSD.shape[-1]), targets_BS.reshape(-1)
+    nll = []
+    for start in range(0, len(targets_T), LOGIT_TOKENS):
+        logits_CV = model.logits(h_TD[start : start + LOGIT_TOKENS]).float()
+        t_C = targets_T[start : start + LOGIT_TOKENS]
+        picked_C = logits_CV.gather(1, t_C.clamp(min=0)[:, None]).squeeze(1)
+        nll.append(torch.where(t_C >= 0, logits_CV.logsumexp(1) - picked_C, 0.0))
+    return torch.cat(nll).view_as(targets_BS)
+
+
+def _slot_sums(model: Transformer, h_BSD: torch.Tensor, packed_BS1: torch.Tensor, num_slots: int):
+    """Each row's summed NLL in its slot (the packed last column) of a num_slots + 1 vector (the
+    last slot takes the padding rows)."""
+    sums_B = token_nll(model, h_BSD, packed_BS1[:, :-1]).double().sum(1)
+    out = torch.zeros(num_slots + 1, dtype=torch.float64, device=h_BSD.device)
+    return out.index_add_(0, packed_BS1[:, -1], sums_B)
+
+
+def score_rows(
+    model: Transformer,
+    rows: WindowRows | TaskRows,
+    micro_batch: int,
+    dims: ParallelDims | None = None,
+    pipeline: Pipeline | None = None,
+) -> torch.Tensor:
+    """The summed NLL of every row (float64, on the device), on every rank."""
+    num, dp, rank = rows.num_rows, (dims.dp if dims else 1), (dims.dp_rank if dims else 0)
+    device = next(model.parameters()).device
+    accum = pipeline.layout.accum_steps if pipeline is not None else 1
+    num_micro = math.ceil(math.ceil(math.ceil(num / dp) / micro_batch) / accum) * accum
+    slots = np.full(num_micro * micro_batch, num, dtype=np.int64)  # num: padding
+    mine = np.arange(rank, num, dp)
+    slots[: len(mine)] = mine
+    sources = np.where(slots < num, slots, mine[0] if len(mine) else 0)  # padding repeats a row
+
+    def micro_batches():
+        for start in range(0, len(slots), micro_batch):
+            slot_B = slots[start : start + micro_batch]
+            inputs_BS, targets_BS = rows.rows(sources[start : start + micro_batch])
+            targets_BS = np.where(slot_B[:, None] < num, targets_BS, IGNORE)
+            packed = np.concatenate([targets_BS, slot_B[:, None]], axis=1)
+            yield torch.from_numpy(inputs_BS).to(device), torch.from_numpy(packed).to(device)
+
+    score_fn = partial(_slot_sums, model, num_slots=num)
+    if pipeline is not None:
+        outputs = pipeline.score(micro_batches(), num_micro // accum, score_fn)
+    else:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            outputs = [score_fn(model(inputs), packed) for inputs, packed in micro_batches()]
+        model.train(was_training)
+    total = torch.zeros(num + 1, dtype=torch.float64, device=device)
+    for part in outputs:
+        total += part
+    if dims is not None:
+        all_reduce_stats([total], dims)
+        if dims.pp_group is not None:
+            dist.all_reduce(total, group=dims.pp_group)
+    return total[:num]
+
+
+class Evaluator:
+    """A run's evaluation: its validation rows, evaluation sets and tasks, scored by `run`.
+    `val` is `open_data`'s val tokens (one array, or one per source of a mix, the record then
+    showing each and their weighted mean), or {label: token arrays} to score instead."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        model: Transformer,
+        tokenizer: Any,
+        val: Any,
+        *,
+        eval_sets: dict[str, list[np.ndarray]] | None = None,
+        dims: ParallelDims | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> None:
+        t = config.train
+        self.model, self.dims, self.pipeline, self.weights = model, dims, pipeline, None
+        if config.data.sources and not isinstance(val, dict):
+            self.weights = [s.weight for s in config.data.sources]
+            val = {label: [v] for label, v in zip(source_labels(config.data), val, strict=True)}
+        elif not isinstance(val, dict):
+            val = {"val": [val]}
+        self.micro_batch, self.seq_len = t.micro_batch_size, t.seq_len
+
+        def windows(arrays: list[np.ndarray], what: str) -> WindowRows:
+            return WindowRows(arrays, t.seq_len, t.eval_sequences, what)
+
+        self.val = {label: windows(a, f"the val split of {label}") for label, a in val.items()}
+        if eval_sets is None:
+            eval_sets = {
+                s.name: open_eval_set(
+                    config.data, s.path, config.model.vocab_size, f"data.eval_sets ({s.path})"
+                )
+                for s in config.data.eval_sets
+            }
+        self.eval_sets = {name: windows(a, f"eval set {name}") for name, a in eval_sets.items()}
+        if t.eval_tasks and tokenizer is None:
+            raise ValueError(
+                f"train.eval_tasks ({', '.join(t.eval_tasks)}) needs a tokenizer, and the run's "
+                "data names none (random tokens, or a pre-tokenized corpus prepared without --tokenizer)"
+            )
+        self.tasks = [TaskRows(task, tokenizer, t.seq_len) for task in load_tasks(t.eval_tasks)]
+
+    @property
+    def num_sequences(self) -> int:
+        """Validation sequences scored (per source of a mix)."""
+        return min(rows.num_rows for rows in self.val.values())
+
+    def _loss(self, rows: WindowRows) -> torch.Tensor:
+        sums = score_rows(self.model, rows, self.micro_batch, self.dims, self.pipeline)
+        return sums.sum() / (rows.num_rows * self.seq_len)
+
+    def _accuracy(self, rows: TaskRows) -> torch.Tensor:
+        """(acc, acc_norm): the right choice has the highest log-likelihood, in total and per
+        character."""
+        loglik = -score_rows(self.model, rows, self.micro_batch, self.dims, self.pipeline)
+        rows_IC, chars_IC, answers_I = (
+            torch.as_tensor(x, device=loglik.device)
+            for x in (rows.choice_rows, rows.choice_chars, rows.answers)
+        )
+        loglik_IC = torch.where(rows_IC >= 0, loglik[rows_IC.clamp(min=0)], -math.inf)
+        hits = [
+            (x.argmax(1) == answers_I).double().mean() for x in (loglik_IC, loglik_IC / chars_IC)
+        ]
+        return torch.stack(hits)
+
+    def run(self, step: int) -> dict[str, Any]:
+        """Score everything; the eval record of `step` (the same on every rank)."""
+        values = [self._loss(rows) for rows in (*self.val.values(), *self.eval_sets.values())]
+        values += [self._accuracy(rows) for rows in self.tasks]
+        host = torch.cat([v.reshape(-1) for v in values]).tolist()
+        losses, host = host[: len(self.val)], host[len(self.val) :]
+        record: dict[str, Any] = {"kind": "eval", "step": step}
+        if self.weights is None:
+            record["val_loss"] = losses[0]
+        else:
+            mixed = sum(w * v for w, v in zip(self.weights, losses, strict=True))
+            record["val_loss"] = mixed / sum(self.weights)
+            record["val_loss_per_source"] = dict(zip(self.val, losses, strict=True))
+        if self.eval_sets:
+            record["eval_sets"] = dict(zip(self.eval_sets, host, strict=False))
+            host = host[len(self.eval_sets) :]
+        if self.tasks:
+            record["tasks"] = {
+                r.task.name: {"acc": host[2 * i], "acc_norm": host[2 * i + 1]}
+                for i, r in enumerate(self.tasks)
+            }
+        return record
+
+
+def describe_data(config: RunConfig) -> str:
+    d = config.data
+    if d.sources:
+        return "the val splits of data.sources " + ", ".join(s.path for s in d.sources)
+    if d.path is not None:
+        return f"the val split of data.path {d.path}"
+    return f"the val split of the embedded corpus (data.path unset; tokenizer {d.tokenizer})"
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    *,
+    device: str = "cpu",
+    data: str | None = None,
+    tasks: list[str] | None = None,
+    sequences: int | None = None,
+) -> dict[str, Any]:
+    """`moetrain eval`: by default what the run's own evaluations score (its val split, eval sets
+    and tasks, from the checkpoint's config); `data`: both splits of that token directory
+    instead; `tasks` replaces the config's tasks. The result names what it scored."""
+    from moetrain.inference import checkpoint_tokenizer, load_model
+
+    path = manager.resolve(checkpoint)
+    model, config = load_model(path, device)
+    trainer_state = json.loads((path / manager.TRAINER_STATE).read_text())
+    train = config.train
+    if sequences is not None:
+        train = dataclasses.replace(train, eval_sequences=sequences)
+    if tasks is not None:
+        train = dataclasses.replace(train, eval_tasks=tuple(tasks))
+    config = dataclasses.replace(config, train=train)
+    tokenizer = checkpoint_tokenizer(path, config) if train.eval_tasks else None
+    result: dict[str, Any] = {"checkpoint": str(path), "step": trainer_state.get("step")}
+    if data is None:
+        check_same_data(config.data, trainer_state.get("data_fingerprint"), path)
+        val = open_data(config.data, config.model.vocab_size)[1]
+        evaluator = Evaluator(config, model, tokenizer, val)
+        result["data"] = describe_data(config)
+        if "imported_from" in trainer_state and config.data.path is None:
+            result["note"] = (
+                f"imported from {trainer_state['imported_from']}, the checkpoint names no "
+                "training data: this scored the embedded corpus; pass --data DIR to score a "
+                "token directory"
+            )
+    else:
+        arrays = open_eval_set(config.data, data, config.model.vocab_size, f"--data ({data})")
+        evaluator = Evaluator(config, model, tokenizer, {data: arrays}, eval_sets={})
+        result["data"] = f"{data} (both splits)"
+    record = evaluator.run(result["step"])
+    record.pop("kind")
+    record.pop("step")
+    return {
+        **result,
+        "sequences": evaluator.num_sequences,
+        **record,
+        "perplexity": math.exp(record["val_loss"]),
+    }
