@@ -58,7 +58,7 @@ def test_first_run_progress_epochs_and_resolved_paths(first_run, capsys, monkeyp
     data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
     assert data["path"] == str(work / "tok") and data["tokenizer"] == str(work / "b/tokenizer.json")
     monkeypatch.chdir(work.parent)
-    assert main(["eval", "--checkpoint", str(run_dir), "--batches", "1"]) == 0
+    assert main(["eval", "--checkpoint", str(run_dir), "--sequences", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 2
 
 

@@ -21,6 +21,7 @@ import datetime
 import torch
 import torch.nn.functional as F
 
+from moetrain.bench.gpu_state import gpu_key
 from moetrain.bench.measure_rank import fresh_compile
 from moetrain.bench.timing import kernel_ms, matmul_tflops, sustained_matmul
 from moetrain.config import RunConfig
@@ -29,15 +30,6 @@ from moetrain.plan import calibration as cal
 from moetrain.plan.layout import GIB, GPUS, Cluster, Layout
 from moetrain.plan.memory import LOSS_CHUNK_TOKENS, block_activation_bytes
 from moetrain.plan.search import estimate
-
-
-def gpu_key(device: torch.device) -> str:
-    """The plan.layout.GPUS key of this GPU ("NVIDIA H200" -> h200), else a ValueError."""
-    name = torch.cuda.get_device_name(device).lower()
-    for key in GPUS:
-        if key in name.split() or f" {key}" in name:
-            return key
-    raise ValueError(f"no datasheet for {name!r} in moetrain.plan.layout.GPUS")
 
 
 def dense_tflops(config: RunConfig, device: torch.device) -> float:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from moetrain.plan.layout import GPUS
+
 # nvmlClocksEventReasonSwPowerCap | nvmlClocksEventReasonHwPowerBrakeSlowdown
 POWER_REASONS = 0x4 | 0x80
 
@@ -121,3 +123,12 @@ def describe(state: dict[str, Any] | None) -> str:
         f"{state['power_w_max']:.0f}), power-limited in {100 * state['power_limited_fraction']:.0f}%"
         f" of {state['samples']} samples"
     )
+
+
+def gpu_key(device: torch.device) -> str:
+    """The plan.layout.GPUS key of this GPU ("NVIDIA H200" -> h200), else a ValueError."""
+    name = torch.cuda.get_device_name(device).lower()
+    for key in GPUS:
+        if key in name.split() or f" {key}" in name:
+            return key
+    raise ValueError(f"no datasheet for {name!r} in moetrain.plan.layout.GPUS")

@@ -29,6 +29,7 @@ import torch
 
 from moetrain.bench import dispatch_cost, harness
 from moetrain.bench.balanced import BalancedDispatcher
+from moetrain.bench.gpu_state import gpu_key
 from moetrain.config import RunConfig
 from moetrain.dry_run import keep_local_experts
 from moetrain.plan import compare_report as report
@@ -162,8 +163,6 @@ def kind_ms(result: harness.BenchResult) -> dict[str, float]:
 def measuring_gpu(device: torch.device) -> str:
     """The GPUS key of the measuring GPU; elsewhere (the CPU's smoke runs) h200."""
     if device.type == "cuda":
-        from moetrain.bench.calibrate import gpu_key
-
         return gpu_key(device)
     return "h200"
 

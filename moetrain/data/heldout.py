@@ -20,7 +20,7 @@ import numpy as np
 
 from moetrain.config import DataConfig
 from moetrain.data.corpus import embedded_corpus
-from moetrain.data.loader import vocabulary
+from moetrain.data.loader import EMBEDDED_VAL_FRACTION, vocabulary
 from moetrain.data.tokens import fingerprint, load_split, read_meta
 
 IGNORE = -100  # a target that is not scored (padding, a multiple-choice context)
@@ -65,7 +65,7 @@ def training_dirs(cfg: DataConfig) -> list[Path]:
         return [Path(s.path) for s in cfg.sources]
     if cfg.path is not None:
         return [Path(cfg.path)]
-    return [embedded_corpus(cfg.tokenizer, cfg.val_fraction)]
+    return [embedded_corpus(cfg.tokenizer, cfg.val_fraction or EMBEDDED_VAL_FRACTION)]
 
 
 def open_eval_set(cfg: DataConfig, path: str | Path, vocab_size: int, what: str) -> list:
