@@ -1,18 +1,26 @@
-"""What a log step reads from the device: the step accumulators and each MoE layer's statistics,
-reduced over the ranks (and gathered over pipeline stages) so that every rank logs the same.
-
-Everything stays a device tensor here; the trainer copies to the host once, after this returns.
+"""What a log step reads from the device and writes: the step accumulators and each MoE layer's
+statistics, reduced over the ranks (and gathered over pipeline stages) so that every rank logs
+the same (`collect_log_values`, device tensors only), and the train record of metrics.jsonl built
+from them after one copy to the host (`train_record`).
 """
 
 from __future__ import annotations
 
+import math
+import time
+from typing import Any
+
 import torch
 
+from moetrain.data import MixedLoader, source_labels
 from moetrain.model.transformer import Transformer
+from moetrain.optim.schedule import lr_at
 from moetrain.parallel.data import all_reduce_stats
 from moetrain.parallel.expert import read_dispatch_stats
 from moetrain.parallel.mesh import ParallelDims
 from moetrain.parallel.pipeline import Pipeline
+from moetrain.train.metrics import peak_memory_gib
+from moetrain.train.observe import summarize_moe_stats
 
 ROUTER_MEANS = ("lb_loss", "z_loss", "entropy")  # means over the dp ranks, like the loss
 
@@ -53,3 +61,45 @@ def collect_log_values(
         for s, row in zip(stats, means_L3 / dims.dp, strict=True):
             s.update(zip(ROUTER_MEANS, row, strict=True))
     return values, stats, utilization
+
+
+def train_record(trainer: Any, acc: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict]:
+    """(the accumulators on the host, the `kind: train` record of metrics.jsonl) at a log step of
+    `trainer` (a moetrain.train.trainer.Trainer); adds the skipped and spike steps to its
+    totals."""
+    t = trainer.config.train
+    values, stats, utilization = collect_log_values(
+        acc, trainer.model, trainer._moe_names, trainer.pipeline, trainer.dims
+    )
+    host = {k: v.item() for k, v in values.items()}
+    good = max(host["good"], 1.0)
+    trainer.skipped_total += int(round(host["bad"]))
+    trainer.spike_total += int(round(host["spikes"]))
+    record: dict[str, Any] = {
+        "kind": "train",
+        "step": trainer.step,
+        "loss": host["loss"] / good if host["good"] else math.nan,
+        "lr": lr_at(trainer.step - 1, t),
+        "grad_norm": host["grad_norm"] / good if host["good"] else math.nan,
+        **trainer.throughput.measure(),
+        "peak_mem_gib": peak_memory_gib(trainer.device),
+        "skipped_steps": trainer.skipped_total,
+        "spike_steps": trainer.spike_total,
+        "time": time.time(),
+        "moe": summarize_moe_stats(
+            dict(enumerate(stats)),
+            lb_weight=trainer.config.moe.lb_loss_weight,
+            z_weight=trainer.config.moe.z_loss_weight,
+        ),
+    }
+    for i, value in utilization.items():
+        record["moe"][i]["buffer_utilization"] = float(value)
+    loader = trainer.train_loader
+    if isinstance(loader, MixedLoader):  # the counts are global, equal on all ranks
+        labels = source_labels(trainer.config.data)
+        record["tokens_per_source"] = dict(zip(labels, loader.tokens_per_source(), strict=True))
+    record.update(trainer.epochs.fields(loader.passes(), trainer.step, trainer.console))
+    for key in ("lb_loss", "z_loss"):
+        layers = [layer[key] for layer in record["moe"]]
+        record[key] = sum(layers) / len(layers) if layers else None
+    return host, record

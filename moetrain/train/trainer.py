@@ -19,9 +19,7 @@ else changed and what the learning rate does next, and refuses an LR jump unless
 
 from __future__ import annotations
 
-import math
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,6 @@ from moetrain import faults
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
 from moetrain.data import (
-    MixedLoader,
     check_same_data,
     data_fingerprint,
     resolve_data_paths,
@@ -61,9 +58,9 @@ from moetrain.train.build import (
 )
 from moetrain.train.evaluate import Evaluator
 from moetrain.train.graph import StepGraph
-from moetrain.train.log_stats import collect_log_values
-from moetrain.train.metrics import Console, EpochLog, MetricsSink, Throughput, peak_memory_gib
-from moetrain.train.observe import TokenGamingDetector, summarize_moe_stats
+from moetrain.train.log_stats import train_record
+from moetrain.train.metrics import Console, EpochLog, MetricsSink, Throughput
+from moetrain.train.observe import TokenGamingDetector
 from moetrain.train.resume import check_resume
 from moetrain.train.run_lock import RunDirLocked, RunLock
 from moetrain.train.spike import LossSpikeDetector
@@ -384,41 +381,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging and eval
     def _log(self) -> float | None:
-        t, acc = self.config.train, self._acc
-        values, stats, utilization = collect_log_values(
-            acc, self.model, self._moe_names, self.pipeline, self.dims
-        )
-        host = {k: v.item() for k, v in values.items()}
-        good = max(host["good"], 1.0)
-        self.skipped_total += int(round(host["bad"]))
-        self.spike_total += int(round(host["spikes"]))
-        rates = self.throughput.measure()
-        record: dict[str, Any] = {
-            "kind": "train",
-            "step": self.step,
-            "loss": host["loss"] / good if host["good"] else math.nan,
-            "lr": lr_at(self.step - 1, t),
-            "grad_norm": host["grad_norm"] / good if host["good"] else math.nan,
-            **rates,
-            "peak_mem_gib": peak_memory_gib(self.device),
-            "skipped_steps": self.skipped_total,
-            "spike_steps": self.spike_total,
-            "time": time.time(),
-            "moe": summarize_moe_stats(
-                dict(enumerate(stats)),
-                lb_weight=self.config.moe.lb_loss_weight,
-                z_weight=self.config.moe.z_loss_weight,
-            ),
-        }
-        for i, value in utilization.items():
-            record["moe"][i]["buffer_utilization"] = float(value)
-        if isinstance(self.train_loader, MixedLoader):  # the counts are global, equal on all ranks
-            tokens = self.train_loader.tokens_per_source()
-            labels = source_labels(self.config.data)
-            record["tokens_per_source"] = dict(zip(labels, tokens, strict=True))
-        record.update(self.epochs.fields(self.train_loader.passes(), self.step, self.console))
-        record["lb_loss"] = _mean([layer["lb_loss"] for layer in record["moe"]])
-        record["z_loss"] = _mean([layer["z_loss"] for layer in record["moe"]])
+        t = self.config.train
+        host, record = train_record(self, self._acc)
         for layer in record["moe"]:
             warning = self.gaming.update(
                 self.step, layer["layer"], layer["lb_loss"], layer["max_mean"]
@@ -519,7 +483,3 @@ class Trainer:
             manager.resolve(path), {"model": globalize_experts(self.model.state_dict(), self.dims)}
         )
         self.optimizer.reset_masters()
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
