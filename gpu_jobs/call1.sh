@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Device call 1 of session 17: every GPU test, in four groups side by side (correctness, not
 # timing), then the measurements that must run alone: the overlap stand-ins (#40), the
-# dispatcher's costs (#39 c) and the kernel gains (#42).
+# dispatcher's costs (#39 c) and the projection of ref-47b with one rank measured here (#39 d).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,power.limit,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
 t0=$(date +%s)
-g() { local name=$1; shift; timeout 270 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider "$@" > "$OUT/t_$name.log" 2>&1; echo "rc=$?" >> "$OUT/t_$name.log"; }
+g() { local name=$1; shift; timeout 240 python3 -m pytest -q -m gpu -rfE -p no:cacheprovider "$@" > "$OUT/t_$name.log" 2>&1; echo "rc=$?" >> "$OUT/t_$name.log"; }
 g core tests/gpu/test_gpu_core.py tests/gpu/test_gpu_document_mask.py tests/gpu/test_gpu_projection.py &
 g multi tests/gpu/test_gpu_multirank.py tests/gpu/test_gpu_fp32_graph.py tests/parallel/test_gpu_ep.py tests/parallel/test_compiled_no_sync.py &
 g over tests/parallel/test_overlap.py tests/moe/test_mxfp8_compiled.py tests/optim &
@@ -27,10 +27,11 @@ local, no_sync = index_work_s(config, 8, 1.25, dev)
 print(f"| ref-47b, ep 8, 16k tokens | balanced {1e3 * local:.3f} ms | no_sync {1e3 * no_sync:.3f} ms | index work {1e3 * (no_sync - local):.3f} ms a layer | host sync {1e3 * host_sync_s(config, dev):.3f} ms a layer |")
 PY
 echo "dispatch rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/times.txt"
-timeout 120 python3 benchmarks/kernel_gains.py --json "$OUT/kernel_gains.jsonl" > "$OUT/kernel_gains.txt" 2>&1
-echo "kernel_gains rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/times.txt"
+timeout 200 python3 -m moetrain bench --project --project-presets ref-47b --steps 2 --warmup 2 \
+  --overlap "$OUT/overlap.json" --out "$OUT/bench_project" > "$OUT/bench_project.log" 2>&1
+echo "project rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/times.txt"
 cat "$OUT/gpu.txt" "$OUT/times.txt"
 for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$f" | tail -8; done
 echo "== overlap"; tail -12 "$OUT/overlap_bench.txt"
 echo "== dispatch"; tail -2 "$OUT/dispatch_cost.txt"
-echo "== kernels"; [ -s "$OUT/kernel_gains.jsonl" ] && python3 benchmarks/kernel_gains.py --table "$OUT/kernel_gains.jsonl" | tail -20
+echo "== project"; grep -E "best resident|^reference|^\| (resident|fsdp2)" "$OUT/bench_project.log" | tail -24
