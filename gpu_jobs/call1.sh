@@ -27,7 +27,9 @@ local, no_sync = index_work_s(config, 8, 1.25, dev)
 print(f"| ref-47b, ep 8, 16k tokens | balanced {1e3 * local:.3f} ms | no_sync {1e3 * no_sync:.3f} ms | index work {1e3 * (no_sync - local):.3f} ms a layer | host sync {1e3 * host_sync_s(config, dev):.3f} ms a layer |")
 PY
 echo "dispatch rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/times.txt"
-timeout 200 python3 -m moetrain bench --project --project-presets ref-47b --steps 2 --warmup 2 \
+GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
+PRESET=$([ "$GIB" -ge 120 ] && echo ref-47b || echo olmoe-1b-7b)
+timeout 200 python3 -m moetrain bench --project --project-presets $PRESET --steps 2 --warmup 2 \
   --overlap "$OUT/overlap.json" --out "$OUT/bench_project" > "$OUT/bench_project.log" 2>&1
 echo "project rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/times.txt"
 cat "$OUT/gpu.txt" "$OUT/times.txt"
