@@ -2,26 +2,19 @@
 
 It has the interface the trainer uses for every optimizer (ShardedAdamW has the same):
 `no_sync()`, `finish_grad_sync()`, `step(lr, max_grad_norm, skip) -> grad_norm`, `zero_grad()`,
-`state_dict()`, `load_state_dict()`, `reset_masters()`, `state_bytes_per_rank()`.
-- Gradient communication is delegated to `grad_sync` (moetrain.parallel.data.GradientSync, or
-  None in one process); the global gradient norm (correct under every layout) to `norm_fn`.
-- Clipping: the fused kernels divide the gradients by AdamW's `grad_scale` as they read them,
-  so clipping costs no extra pass over the gradients on GPU; on CPU they are scaled in place.
-- fp32 parameters: torch AdamW (fused on CUDA, foreach on CPU, so CPU runs stay bitwise
-  reproducible across resume).
-- bf16 parameters with master weights: fp32 copies of every parameter carry the update; the bf16
-  gradients are cast into the masters' grads, fused AdamW updates the masters, and the result is
-  copied back into the bf16 parameters.
-- On CUDA with Triton (`kernel="triton"`, the trainer's default there) one multi-tensor kernel per
-  parameter group (moetrain.kernels.adamw_triton) does the same update in one pass near memory
-  bandwidth: it reads the bf16 gradients directly (no fp32 copies) and writes master, moments and
-  the bf16 parameter together. torch.optim.AdamW still owns the state (same state_dict); its
-  `step` tensors advance on device only on steps that count. A step where some parameter has no
-  gradient falls back to torch's kernel, whose per-parameter semantics (skip that parameter) the
-  single kernel does not have, and the fallback then stays on for the rest of the run.
-- `skip` is a device bool tensor: when true (non-finite loss or gradient) the step changes nothing.
-  The fused kernels honour it on the device through AdamW's `found_inf`; elsewhere the update is
-  applied and then rolled back with `torch.where`, also on the device. No host sync either way.
+`state_dict()`, `load_state_dict()`, `reset_masters()`, `state_bytes_per_rank()`. Gradient
+communication is `grad_sync`'s (parallel/data.py GradientSync; None in one process), the global
+norm `norm_fn`'s. The update:
+- fp32 parameters: torch AdamW (fused on CUDA; foreach on CPU, bitwise reproducible on resume).
+- bf16 parameters with masters: gradients are cast into fp32 masters' grads, torch's fused AdamW
+  updates the masters, and they are copied back into the parameters.
+- `kernel="triton"` (the trainer's default on CUDA): one multi-tensor kernel per group
+  (kernels/adamw_triton.py) reads the bf16 gradients and writes master, moments and parameter in
+  one pass; torch.optim.AdamW still owns the state (same state_dict). A step where a parameter
+  has no gradient falls back to torch's kernel (which skips that parameter) for the rest of the run.
+Clipping is AdamW's `grad_scale`, applied as the fused kernels read the gradients (in place on
+CPU). A true `skip` (device bool) makes the step change nothing: `found_inf` in the fused
+kernels, a `torch.where` rollback elsewhere; no host sync either way.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Global gradient norm and clipping, counting every parameter element exactly once.
 
-This is the non-sharded path: gradients are already synchronized, so dense gradients are identical
-on every data-parallel rank and expert gradients are identical on the ranks that hold replicas of
-the same experts. What still differs between ranks: the ranks of one expert-parallel group hold
-different experts, and pipeline stages hold different layers. So
-
-    norm^2 = dense^2 (local: replicated, count it once)
-           + expert^2 summed over the ep group
-           and the whole thing summed over the pp stages.
-
-FSDP2's sharded DTensor gradients take `sharded_grad_norm`; the sharded optimizer (sharded.py)
-computes its norm from the shards it owns. All share `clip_coefficient`, which matches
-`torch.nn.utils.clip_grad_norm_`. Results stay on the device: no host sync.
+Synchronized gradients (`global_grad_norm`) are equal on every replica; only the ranks of an
+expert-parallel group (different experts) and the pipeline stages (different layers) differ, so
+norm^2 = (dense^2 local + expert^2 summed over ep) summed over pp. FSDP2's DTensor gradients take
+`sharded_grad_norm`; ShardedAdamW sums its owned shards. All share `clip_coefficient` (the
+arithmetic of `torch.nn.utils.clip_grad_norm_`). Results stay on the device: no host sync.
 """
 
 from __future__ import annotations
@@ -64,12 +57,9 @@ def global_grad_norm(
     ep_group: ProcessGroup | None = None,
     pp_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """L2 norm of all gradients of the model, for synchronized (replicated) gradients.
-
-    `ep_group`: the ranks holding different experts of one stage (None when ep is 1);
-    `pp_group`: the ranks holding the same position in different pipeline stages (None when pp
-    is 1). Parameters without a gradient count as zero. Every rank gets the same value.
-    """
+    """L2 norm of all synchronized gradients, the same on every rank. `ep_group`: the ranks
+    holding different experts of one stage; `pp_group`: the same position in each pipeline stage
+    (None when that degree is 1). A parameter without a gradient counts as zero."""
     dense, expert = [], []
     device = torch.device("cpu")
     for param, kind in params_with_kinds:
@@ -92,12 +82,10 @@ def sharded_grad_norm(
     *,
     ep_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """L2 norm of FSDP2's gradients (DTensors sharded over a data-parallel mesh), as a plain
-    scalar, the same on every rank. FSDP2 shards dense weights over dp and, under expert
-    parallelism, each rank's experts over edp: two meshes, which one norm over all gradients
-    cannot mix. So each mesh's norm is taken by torch (`get_total_norm` of its DTensors,
-    reduced over the mesh by `full_tensor`), squared, and the experts' part, whose ep ranks hold
-    different experts, summed over `ep_group`."""
+    """L2 norm of FSDP2's DTensor gradients as a plain scalar, the same on every rank. Dense
+    weights are sharded over dp and experts over edp, two meshes one norm cannot mix: each mesh's
+    norm is torch's `get_total_norm` (made whole by `full_tensor`), and the experts' squares are
+    summed over `ep_group`."""
     by_mesh: dict[tuple[bool, Any], list[torch.Tensor]] = {}
     device = torch.device("cpu")
     for param, kind in params_with_kinds:

@@ -1,26 +1,21 @@
 """Gradients into flat buckets during backward, each bucket launched once all its gradients are
-in: the one protocol behind GradientSync (parallel/data.py: an all-reduce per bucket) and
-ShardedAdamW (optim/sharded.py: a reduce-scatter per bucket).
+in: the one protocol behind GradientSync (parallel/data.py: all-reduce per bucket) and
+ShardedAdamW (optim/sharded.py: reduce-scatter per bucket).
 
-A `GradBucket` holds some parameters' gradients in one flat buffer, slot by slot, in one of two
-modes:
-- view (the buffer has the parameters' dtype): `.grad` is the slot's view of the buffer, so
-  autograd accumulates micro-batches in place. A `.grad` that is another tensor (autograd made a
-  fresh one after `zero_grad` set it to None) is copied in when the slot is finalized, and the
-  view put back; no `.grad` at all means zero.
-- accumulate (a wider buffer, e.g. fp32 for bf16 parameters): each backward's `.grad` is added
-  into the buffer by the post-accumulate-grad hook and freed. The step's first one is copied, so
-  the buffer needs no zeroing pass; a slot with nothing accumulated this step reads as zero.
+A `GradBucket` holds its parameters' gradients in one flat buffer, a slot each, in one of two modes:
+- view (buffer of the parameters' dtype): `.grad` is the slot's view, so autograd accumulates
+  micro-batches in place; a `.grad` autograd made afresh (after `zero_grad`) is copied in when the
+  slot is finalized and the view put back; no `.grad` means zero.
+- accumulate (a wider buffer, e.g. fp32 for bf16 parameters): the post-accumulate-grad hook adds
+  each backward's `.grad` into the slot and frees it; the step's first is copied (no zeroing
+  pass); a slot written nothing this step reads as zero.
 
-`BucketedGrads` runs the buckets. Its hook fires after a parameter's gradient is accumulated;
-outside `no_sync()` that gradient is final for the step: the slot is finalized, and every bucket
-whose slots are all final is launched (`_launch`, the owner's collective), strictly in bucket
-order, so every rank issues the same collectives in the same order while backward goes on.
-`launch_remaining()` finalizes and launches what backward did not (unused parameters, no_sync
-steps); `end_step()` makes the buckets ready for the next step. The hooks reach their owner
-through a weak reference (`weak_grad_hook`): a parameter holds its hooks, and a hook holding the
-owner (which holds the parameters and the buffers) closed a cycle through the tensors' hooks that
-Python's garbage collector did not free, so every Trainer built in one process kept its buffers.
+`BucketedGrads` runs them: outside `no_sync()` a parameter's hook finalizes its slot and launches,
+strictly in bucket order, every bucket whose slots are all final (`_launch`, the owner's
+collective), so all ranks issue the same collectives in the same order during backward.
+`launch_remaining()` covers what backward did not; `end_step()` readies the next step. Hooks reach
+their owner through a weak reference (`weak_grad_hook`): a hook holding the owner made a cycle
+through the tensors' hooks that the garbage collector did not free, leaking every Trainer's buffers.
 """
 
 from __future__ import annotations

@@ -1,27 +1,24 @@
 """ShardedAdamW: a ZeRO-1 distributed AdamW with fp32 master weights and global-norm clipping.
 
-Parameters are laid out in flat buckets, one kind of bucket per sync group: dense and router
+Parameters live in flat buckets (optim/buckets.py), one sync kind each: dense and router
 parameters sync over `dense_group` (all data-parallel ranks), expert parameters over
-`expert_group` (the ranks holding replicas of the same experts). Each parameter's `.data` (and,
-when the dtypes agree, its `.grad`) becomes a view into its bucket, so communication needs no
-copies. Each bucket is padded to a multiple of its group size; rank r of the group owns the r-th
-contiguous shard and keeps the fp32 master copy and the AdamW moments of that shard only.
+`expert_group` (the replicas of the same experts). Rank r of a group owns the r-th shard of each
+bucket and keeps the fp32 master and the AdamW moments of that shard only.
 
-Invariants: buckets are formed once, in a fixed order (the reverse of the parameters' forward
-order, so they fill during backward roughly in order), and every collective is launched in that
-bucket order on every rank. Owned shards partition each sync group's parameters, so every element
-of the model is owned by exactly one rank of the data-parallel world. At world size 1 (both groups
-None) a step is `torch.optim.AdamW` after `torch.nn.utils.clip_grad_norm_` (only the norm's
-summation order differs): the update of each bucket's shards is torch's fused AdamW kernel, one
-multi-tensor launch per parameter group, on the flat fp32 shards.
+Invariants: buckets are formed once, in reverse forward order (they fill during backward), and
+every collective is launched in bucket order on every rank. Owned shards partition each sync
+group's parameters, so every element is owned by exactly one rank of the data-parallel world. At
+world size 1 (both groups None) a step is `torch.optim.AdamW` after
+`torch.nn.utils.clip_grad_norm_` (only the norm's summation order differs): torch's fused AdamW,
+one multi-tensor launch per parameter group, on the flat fp32 shards.
 
 The trainer's order per optimizer step:
     for each micro-batch but the last:  with opt.no_sync(): loss.backward()
     last micro-batch:                    loss.backward()   # hooks launch reduce-scatters
     norm = opt.step(lr, max_grad_norm, skip=...)           # waits, clips, updates, all-gathers
     opt.zero_grad()
-Checkpoints hold each rank's shards as chunks of the global tensors (`state_dict`,
-optim/sharded_state.py), never a global copy, and load under any layout.
+Checkpoints hold each rank's shards as chunks of the global tensors (optim/sharded_state.py),
+never a global copy, and load under any layout.
 """
 
 from __future__ import annotations
@@ -68,18 +65,15 @@ def expert_global_slices(model: nn.Module, num_experts: int) -> dict[str, tuple[
 
 
 class ShardedAdamW(BucketedGrads):
-    """ZeRO-1 AdamW. See the module docstring for the layout and the trainer's call order.
+    """ZeRO-1 AdamW (layout and call order: module docstring).
 
-    `param_groups`: `build_param_groups` output (each group: params, param_names, kind,
-    weight_decay, lr_mult). `expert_grad_divisor`: expert gradients are summed over
-    `expert_group` and divided by this (the trainer passes dp: under expert parallelism a local
-    expert gradient already sums its ep group's contributions). `grad_dtype`: dtype in which
-    gradients accumulate and are reduced (None: the parameter's dtype, and `.grad` is a view into
-    the bucket; e.g. fp32 with bf16 parameters: each backward's `.grad` is added into an fp32
-    bucket and released). `global_slices`: parameter name -> (global shape, rows of dim 0 held
-    here) for parameters sliced by expert parallelism; others are global as they are.
-    `pp_group`: sums the grad norm over pipeline stages. `param_order`: parameter names in
-    forward order (e.g. from `model.named_parameters()`); default: their order in the groups.
+    `param_groups`: `build_param_groups` output. `expert_grad_divisor`: expert gradients are
+    summed over `expert_group` and divided by this (the trainer passes dp: a local expert gradient
+    already sums its ep group). `grad_dtype`: the dtype gradients accumulate and are reduced in
+    (None: the parameter's, view mode; wider: accumulate mode; optim/grad_buckets.py).
+    `global_slices`: name -> (global shape, rows of dim 0 held here) of the parameters expert
+    parallelism slices. `pp_group`: sums the norm over pipeline stages. `param_order`: names in
+    forward order (default: their order in the groups).
     """
 
     def __init__(
@@ -126,10 +120,8 @@ class ShardedAdamW(BucketedGrads):
         }
         self._init_buckets(make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype))
         device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
-        # Steps applied so far, on the device (a skipped step is decided there). float32, the
-        # dtype torch.optim.AdamW(fused=True) keeps: the CUDA fused kernel reads the step as a
-        # float (a float64 step reads as garbage there and gave NaN), and every step count below
-        # 2**24 is exact in float32.
+        # Steps applied, on the device (skips are decided there). float32 as torch's fused AdamW
+        # keeps it: its CUDA kernel reads a float64 step as garbage (NaN); counts < 2**24 are exact.
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self._where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
 
@@ -156,14 +148,10 @@ class ShardedAdamW(BucketedGrads):
         *,
         skip: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One AdamW step at learning rate `lr` (x each group's lr_mult; None: the constructor's),
-        clipping the global gradient norm to `max_grad_norm` (None or 0: no clipping). Returns the
-        norm before clipping, a device tensor.
-
-        `skip`: a device bool; where it is true, or the gradient norm is not finite, the step
-        changes nothing (parameters, moments, step count), decided on the device without a host
-        sync (torch's fused AdamW reads it as `found_inf`); None skips nothing.
-        """
+        """One AdamW step at `lr` (x each group's lr_mult; None: the constructor's), clipping the
+        global norm to `max_grad_norm` (None or 0: no clipping); returns the norm before clipping,
+        on the device. Where `skip` (a device bool) is true or the norm is not finite, the step
+        changes nothing (parameters, moments, step count), without a host sync."""
         lr = self.lr if lr is None else lr
 
         # (1) Reduce-scatter: launch what backward has not launched, wait for everything. Each
@@ -188,10 +176,9 @@ class ShardedAdamW(BucketedGrads):
         else:
             self.step_count += 1
 
-        # (3) AdamW on each owned fp32 shard with torch's fused kernel (one pass; it divides the
-        #     gradients by grad_scale as it reads them and skips everything when found_inf is
-        #     nonzero, on the device), then (4) launch the all-gather of the updated shard in the
-        #     training dtype, so bucket i's gather overlaps bucket i+1's update.
+        # (3) torch's fused AdamW on each owned fp32 shard (it divides by grad_scale as it reads
+        #     and skips all when found_inf is nonzero), then (4) launch the shard's all-gather in
+        #     the training dtype, so bucket i's gather overlaps bucket i+1's update.
         beta1, beta2 = self.betas
         found_inf = None if skip is None else skip.float()
         gathers = []
@@ -231,10 +218,9 @@ class ShardedAdamW(BucketedGrads):
         return total_norm
 
     def _finish_gathers(self, gathers: list) -> None:
-        """Wait for the parameter all-gathers, then bump every parameter's version counter: the
-        gathers wrote through the buckets (each `.data` is a view the parameter does not share
-        its counter with), and anything keyed on `param._version` (autograd's check of tensors
-        saved for backward) must see it."""
+        """Wait for the parameter all-gathers, then bump every parameter's version counter: they
+        wrote through bucket views whose counters the parameters do not share, and autograd's
+        check of tensors saved for backward must see the change."""
         for work in gathers:
             if work is not None:
                 work.wait()
@@ -251,9 +237,8 @@ class ShardedAdamW(BucketedGrads):
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero every gradient: in view mode the buckets (`.grad` stays a view of them); in
-        accumulate mode every slot is marked unwritten, so the step's first backward copies in
-        instead of adding (no zeroing pass over the fp32 buffers)."""
+        """Zero every gradient: view-mode buckets are zeroed; accumulate-mode slots are marked
+        unwritten (the next backward copies instead of adding)."""
         self.wait()  # nothing may still be reading the buffers
         for bucket in self.buckets:
             if not bucket.accumulate:
@@ -272,18 +257,10 @@ class ShardedAdamW(BucketedGrads):
 
     # ---- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state under global names and global shapes, holding only this rank's
-        shards:
-
-            {"step": int, "state": {global param name: {"master", "exp_avg", "exp_avg_sq":
-                                    ShardState of the parameter's global shape}}}
-
-        Each ShardState (optim/sharded_state.py) describes this rank's owned pieces as chunks of
-        the global tensor and views the optimizer's own buffers: nothing is copied or gathered,
-        no collective runs, and torch.distributed.checkpoint writes every element once, from the
-        rank that owns it. Loading the same structure with DCP (under any layout, or into plain
-        global tensors) fills the chunks in place; then call `load_state_dict`.
-        """
+        """{"step": int, "state": {global name: {"master", "exp_avg", "exp_avg_sq": ShardState of
+        the global shape}}}: views of this rank's owned shards, nothing copied and no collective
+        (optim/sharded_state.py). DCP loads into the same structure in place under any layout;
+        then call `load_state_dict`."""
         state = {
             name: {key: self._shard_state(name, getattr(bucket, key)) for key in STATE_KEYS}
             for name, (bucket, _) in self._where.items()
@@ -292,12 +269,10 @@ class ShardedAdamW(BucketedGrads):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load the optimizer state, then set the parameters from the master weights (an
-        all-gather, the only collective). Each tensor is either a ShardState of this layout (what
-        `state_dict()` returns, filled by DCP: its chunks are this optimizer's buffers, so there
-        is nothing left to copy) or a plain tensor of the global shape, from which each rank
-        copies the pieces it owns. Without a "master" entry a parameter's current value becomes
-        its master."""
+        """Load the state, then set the parameters from the masters (an all-gather, the only
+        collective). Each tensor is a ShardState of this layout (`state_dict()` filled by DCP:
+        nothing left to copy) or a plain global tensor, of which each rank copies the pieces it
+        owns. Without a "master" entry a parameter's current value becomes its master."""
         self.step_count.fill_(int(state_dict["step"]))
         saved = state_dict["state"]
         for name, (bucket, index) in self._where.items():

@@ -1,19 +1,14 @@
 """ShardedAdamW's checkpoint state: each rank's owned pieces of every global tensor, described to
 torch.distributed.checkpoint (DCP) by their offsets, so nothing global is ever built.
 
-A rank's state for a parameter is one contiguous range of the flattened global tensor (for an
-expert weight: of the flattened (num_experts, ...) tensor, at this ep rank's expert rows). A
-contiguous range of a row-major tensor is a union of at most 2 * ndim - 1 boxes, each of them
-contiguous in memory (`flat_range_boxes`), and a box is what DCP records: a chunk with offsets and
-sizes in the global shape. `ShardState` holds those boxes as views of the optimizer's own
-buffers and speaks DCP's `_Checkpointable` protocol (`__create_write_items__`,
-`__create_chunk_list__`, `__get_tensor_shard__`), the hook through which DTensor plugs into DCP.
-So a save writes each rank's pieces from where they live, one chunk at a time, and a load
-declares the same chunks of the loading layout and DCP copies into them in place, reading
-whichever saved chunks overlap: resharding between layouts is DCP's. The tensor names and global
-shapes on disk are those of plain global tensors, so a checkpoint reads into any layout, into the
-replicated form (a plain tensor of the global shape), and checkpoints written when the state was
-assembled globally load unchanged.
+A rank owns one contiguous range of each flattened global tensor (an expert weight's: of the
+(num_experts, ...) tensor), a union of at most 2 * ndim - 1 boxes contiguous in memory
+(`flat_range_boxes`); a box is a DCP chunk (offsets and sizes in the global shape). `ShardState`
+holds the boxes as views of the optimizer's buffers and speaks DCP's `_Checkpointable` protocol
+(DTensor's hook into DCP): a save writes each chunk from where it lives; a load declares the
+loading layout's chunks and DCP copies the overlapping saved chunks into them (resharding is
+DCP's). Names and shapes on disk are those of plain global tensors, so a checkpoint loads into
+any layout or the replicated form, and globally assembled checkpoints load unchanged.
 """
 
 from __future__ import annotations
@@ -59,10 +54,9 @@ def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> Iterator[Box]:
 
 
 class ShardState(torch.Tensor):
-    """This rank's boxes of one global tensor, for DCP: a tensor of the global shape and dtype
-    without storage of its own, whose chunks are views of the memory that holds them (the
-    optimizer's flat shards). DCP writes from and loads into those views; other tensor
-    operations are refused. `chunks`: (offsets, tensor of the box's sizes) pairs, disjoint."""
+    """This rank's boxes of one global tensor, for DCP: a storage-less tensor of the global shape
+    and dtype whose chunks view the optimizer's flat shards; other tensor operations are refused.
+    `chunks`: disjoint (offsets, tensor of the box's sizes) pairs."""
 
     _chunks: list[tuple[torch.Size, torch.Tensor]]
     _by_offsets: dict[torch.Size, torch.Tensor]
