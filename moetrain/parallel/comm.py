@@ -1,33 +1,23 @@
 """Differentiable collectives for expert parallelism, and the counts exchanges that feed them.
 
 Letters: R rows, D model dim, E experts, G ranks in the group.
-- `all_to_all(x_RD, group, ...)`: `all_to_all_single` with autograd. The backward of an all-to-all
-  is the reverse all-to-all (split sizes swapped). `sink_rows` appends that many zero rows to the
-  output, allocated together with it (no copy): gathers point padding at them, and the gradient
-  they receive is dropped, so garbage gradients of padding rows can never reach real data.
-  `payload="fp8"` sends the rows FP8-quantized (moetrain.moe.payload): half the bytes forward,
-  the gradient travels back unquantized (straight-through).
-- `exchange_blocks(x_RD, group, sink_rows, payload)`: the same with equal splits (the NoSync
-  dispatcher's fixed blocks), and traceable (below).
-- `AsyncExchange`: the same exchange in two halves, `begin` and `end`, with GPU-side waits
-  only, so that compute runs under it (moe.overlap=two_chunk); its backward overlaps the same way.
-  `all_to_all` is both halves at once.
-- `all_gather_counts`, `all_to_all_counts`, `all_reduce_counts`: integer count vectors, no
-  gradient.
-Every function accepts `group=None`, meaning a group of one rank: the data stays where it is,
-so world size 1 runs the same code with the transport skipped. No function reads device values
-on the host.
+- `all_to_all(x_RD, group, ...)`: `all_to_all_single` with autograd (backward: the reverse
+  all-to-all). `sink_rows` zero rows are appended to the output in the same allocation: gathers
+  point padding at them and their gradient is dropped, so padding never reaches real data.
+  `payload="fp8"` sends the rows FP8-quantized (moe/payload.py); the gradient returns unquantized.
+- `exchange_blocks`: the same with equal splits (NoSync's fixed blocks), traceable (below).
+- `AsyncExchange`: the exchange in two halves with GPU-side waits only, so compute runs under it,
+  forward and backward (moe.overlap=two_chunk).
+- `all_gather_counts`, `all_to_all_counts`, `all_reduce_counts`: integer counts, no gradient.
+`group=None` is a group of one rank: the data stays where it is, so world size 1 runs the same
+code. No function reads device values on the host.
 
-Compile: the eager collectives (`torch.distributed`, writing into preallocated outputs) are
-hidden from torch.compile, a graph break at each. The ones with static shapes (`exchange_blocks`,
-`all_gather_counts`, `all_reduce_counts`) switch, while dynamo traces them, to torch's functional
-collectives (`torch.distributed._functional_collectives`, the same in torch 2.11 and 2.13 but for
-the all-gather's name, see moetrain.dist_compat), which dynamo and AOTAutograd put into the graph,
-backward included: a compiled block with the NoSync dispatcher is one graph. Eager runs keep the
-in-place path (no copy for the sink rows). The exact-split `all_to_all` and `all_to_all_counts`
-(the AllToAll dispatcher, whose split sizes are read on the host) stay eager. gloo with CUDA
-tensors (several ranks sharing one GPU, a test setup) keeps the eager collectives under compile
-too (`traceable`): there the compiled NoSync block crashed its rank (segfault, torch 2.11, H200).
+Compile: eager collectives are hidden from torch.compile (a graph break each). The static-shape
+ones (`exchange_blocks`, `all_gather_counts`, `all_reduce_counts`) switch under dynamo to torch's
+functional collectives (moetrain.dist_compat), which go into the graph, backward included: a
+compiled block with the NoSync dispatcher is one graph. The exact-split `all_to_all` and
+`all_to_all_counts` stay eager. gloo with CUDA tensors (ranks sharing a GPU, a test setup) stays
+eager under compile too (`traceable`): there the compiled NoSync block segfaulted its rank.
 """
 
 from __future__ import annotations
@@ -56,9 +46,9 @@ def all_to_all(
     sink_rows: int = 0,
     payload: str = "bf16",
 ) -> torch.Tensor:
-    """Differentiable all_to_all_single over dim 0. Split sizes None: equal splits. With a group of
-    one, no sink rows and a bf16 payload the input comes back as is (autograd passes through).
-    `payload="fp8"`: rows travel FP8-quantized and arrive dequantized in x's dtype."""
+    """Differentiable all_to_all_single over dim 0 (split sizes None: equal splits). A group of
+    one with no sink rows and a bf16 payload returns the input as is. `payload="fp8"`: rows
+    arrive dequantized in x's dtype."""
     if group is None and sink_rows == 0 and check_payload(payload) == "bf16":
         return x_RD
     exchange = AsyncExchange(
@@ -88,19 +78,15 @@ def _launch_collective(group: ProcessGroup | None) -> Launch:
 
 
 class AsyncExchange:
-    """One `all_to_all` in two halves, so that compute can run under it: `begin(x_RD)` launches
-    it and `end()` orders the current stream after it and returns what `all_to_all` returns
-    (the received rows, then `sink_rows` zero rows; an fp8 payload decoded). With NCCL neither
-    half waits on the host (the exchange runs on NCCL's stream and `end` is a stream wait); gloo
-    waits in `end`. `launch` replaces the collective (moetrain.parallel.loopback: a copy on a
-    side stream). One object per exchange.
+    """One `all_to_all` in two halves: `begin(x_RD)` launches it; `end()` orders the current
+    stream after it and returns what `all_to_all` returns. With NCCL neither half waits on the
+    host; gloo waits in `end`. `launch` replaces the collective (parallel/loopback.py). One object
+    per exchange.
 
-    Differentiable, and the backward overlaps as the forward did: the backward of `end` launches
-    the gradient's reverse exchange and the backward of `begin` waits for it. Autograd runs the
-    ready node with the highest sequence number first, i.e. a backward in the reverse order of
-    its forward, so the backward of whatever ran between `begin` and `end` runs between those
-    two, under the exchange. Nothing but the in-flight buffers is kept between the halves (no
-    activations on the autograd context: activation checkpointing stays effective)."""
+    Differentiable, overlapped the same way: `end`'s backward launches the reverse exchange and
+    `begin`'s waits for it. Autograd runs ready nodes in reverse forward order, so the backward of
+    whatever ran between the halves runs under the exchange. Only the in-flight buffers live
+    between the halves (no saved activations: activation checkpointing stays effective)."""
 
     def __init__(
         self,
@@ -186,9 +172,9 @@ def exchange_blocks(
     payload: str = "bf16",
     traced: bool = True,
 ) -> torch.Tensor:
-    """`all_to_all` with equal splits (G blocks of R / G rows, block g for rank g), traceable:
-    under torch.compile it runs on functional collectives, in the graph (unless `traced` is
-    False: see `traceable`); eager it is `all_to_all`. Same values, gradients and sink rows."""
+    """`all_to_all` with equal splits (G blocks of R / G rows, block g for rank g); under
+    torch.compile on functional collectives, in the graph (unless not `traced`). Same values,
+    gradients and sink rows either way."""
     if not (traced and torch.compiler.is_compiling()):
         return all_to_all(x_RD, group, sink_rows=sink_rows, payload=payload)
     if group is not None or check_payload(payload) == "fp8":

@@ -1,16 +1,12 @@
 """Data parallelism: gradient synchronization for a plain optimizer, log-time statistics, FSDP2.
 
 Gradient math (equal to one process accumulating over every dp rank's micro-batch): each rank
-backpropagates the mean loss of its own micro-batch, so
-- dense gradients (router included): all-reduce SUM over dp, divide by dp (the average);
-- expert gradients: with expert parallelism an expert's gradient on its rank already sums the
-  contributions of every source rank of its ep group (through the all-to-all backward), and the
-  edp replicas saw disjoint data: all-reduce SUM over edp, then divide by dp.
-`GradientSync` does this DDP-style. Parameters are packed, in reverse registration order (about
-the order backward produces them), into flat buckets of one kind (dense or expert) and dtype;
-a bucket whose gradients are all in launches an async all-reduce, in bucket order, so
-communication overlaps backward and every rank issues the same sequence of collectives (the
-protocol of optim/grad_buckets.py). `finish()` launches what backward did not, waits, divides.
+backpropagates the mean loss of its own micro-batch, so dense gradients (router included) are
+summed over dp and divided by dp; an expert's gradient already sums its ep group's sources
+(through the all-to-all backward), so it is summed over edp and divided by dp. `GradientSync`
+does this DDP-style: flat buckets of one kind (dense or expert) and dtype, in reverse
+registration order, each all-reduced asynchronously once its gradients are in (the protocol of
+optim/grad_buckets.py); `finish()` launches what backward did not, waits, divides.
 
     for i, micro_batch in enumerate(micro_batches):
         with sync.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
@@ -43,16 +39,12 @@ from moetrain.parallel.mesh import ParallelDims
 
 class GradientSync(BucketedGrads):
     """DDP-style gradient synchronization for a model whose parameters are all local (apply_ep
-    may have sharded the experts), and the gradients' accumulation dtype.
+    may have sharded the experts), in the gradients' accumulation dtype.
 
-    `grad_dtype` None: gradients accumulate in the parameters' dtype in `.grad` (autograd's own
-    accumulation), which becomes a view of its bucket (optim/grad_buckets.py, view mode) reduced
-    in that dtype; a no-op when dp is 1. A dtype (fp32 with bf16 parameters: Megatron's
-    main_grad, FSDP2's reduce dtype): every parameter's gradient lives in a flat buffer of that
-    dtype, which each backward's `.grad` is added into and then freed, reduced in that dtype;
-    after `finish()` each gradient is a view of the buffer (also at dp 1, where it only
-    accumulates). That view is `param.main_grad` (autograd refuses a `.grad` of another dtype);
-    optimizers read it through `moetrain.optim.clip.grad_of`."""
+    `grad_dtype` None: `.grad` is a view of its bucket (view mode), reduced in the parameters'
+    dtype; a no-op at dp 1. A wider dtype (fp32 for bf16 parameters, as Megatron's main_grad):
+    accumulate mode, also at dp 1; after `finish()` each gradient is `param.main_grad`, a view of
+    the buffer (autograd refuses a `.grad` of another dtype), read through `optim.clip.grad_of`."""
 
     def __init__(
         self,
@@ -133,9 +125,8 @@ class GradientSync(BucketedGrads):
 def all_reduce_stats(
     tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], dims: ParallelDims
 ) -> Mapping[str, torch.Tensor] | Sequence[torch.Tensor]:
-    """Sum device tensors over dp IN PLACE (one all-reduce per dtype) and return them. For
-    statistics: expert load at log time, per-step counts for the aux-loss-free bias. A collective
-    that every dp rank must join; no host sync."""
+    """Sum device tensors over dp IN PLACE (one all-reduce per dtype) and return them (expert
+    load, the aux-loss-free bias's counts). Every dp rank must join; no host sync."""
     values = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
     if dims.dp_group is None:
         return tensors
@@ -151,12 +142,10 @@ def all_reduce_stats(
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, config: RunConfig) -> None:
     """FSDP2 baseline: shard every block, then the root (embedding, final norm, head), over dp,
-    or HSDP over `parallel.fsdp_shard_size`. Blocks reshard as `parallel.fsdp_reshard` says
-    (the root keeps FSDP2's own choice: whole from forward to backward); gradients are reduced
-    in `precision.grad_dtype` (a MixedPrecisionPolicy reduce dtype: the shards FSDP hands back
-    keep the parameters' dtype). Expert weights differ across ep ranks, so each experts module is
-    sharded over edp on its own, with gradient divide factor dp (sum over edp, divide by dp, as
-    in GradientSync)."""
+    or HSDP over `parallel.fsdp_shard_size`. Blocks reshard as `parallel.fsdp_reshard` says (the
+    root keeps FSDP2's default); gradients are reduced in `precision.grad_dtype` (the shards keep
+    the parameters' dtype). Each experts module is sharded over edp on its own, with gradient
+    divide factor dp (as in GradientSync)."""
     if dims.dp == 1:
         return
     p = config.parallel
@@ -195,10 +184,9 @@ def fsdp_mesh(dims: ParallelDims, shard_size: int | None) -> DeviceMesh:
 
 
 class FSDPAccumulation:
-    """`parallel.fsdp_reshard` step: during the gradient-accumulation micro-steps (`no_sync`)
-    the FSDP2 model keeps its gathered parameters and accumulates whole gradients, unreduced;
-    the step's last backward reduces and reshards. The `no_sync()` / `finish()` of
-    GradientSync, for the optimizer."""
+    """`parallel.fsdp_reshard` step: under `no_sync` the FSDP2 model keeps its gathered
+    parameters and accumulates whole, unreduced gradients; the step's last backward reduces and
+    reshards. GradientSync's `no_sync()` / `finish()`, for the optimizer."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -4,21 +4,17 @@ Letters: T tokens, K top-k, N = T*K routes, D model dim, E global experts, G ran
 expert-parallel group, e = E / G local experts; in count tensors s = source rank, d = destination
 rank, x = local expert (global expert = d * e + x). Rank g owns experts [g*e, (g+1)*e).
 
-Both classes implement `moetrain.moe.dispatch.Dispatcher`: `dispatch` returns rows grouped by
-LOCAL expert with int32 cumulative end offsets, `combine` returns y_TD = sum_k w_tk * y(route tk),
-and both are differentiable (the backward of each all-to-all is the reverse all-to-all).
-- `AllToAllDispatcher` (dropless): exact variable splits; the one host sync reads split sizes in
-  `_sync_split_sizes`. Its buffers hold exactly the routed rows.
+Both implement `moe.dispatch.Dispatcher` (rows grouped by LOCAL expert, int32 cumulative end
+offsets; `combine` returns y_TD = sum_k w_tk * y(route tk); differentiable).
+- `AllToAllDispatcher` (dropless): exact variable splits; its one host sync reads the split
+  sizes (`_sync_split_sizes`).
 - `NoSyncDispatcher` (capacity mode): every shape is fixed by (T, K, G, capacity factor) before
-  the step, every decision is computed on device, the transport moves fixed blocks. Dropped
-  routes contribute zero. It requires a capacity factor (moetrain.moe.capacity says why).
-Both run whole or in halves (`dispatch_begin` / `dispatch_end`, `combine_begin` / `combine_end`,
-for moe.overlap): the begin half launches the rows' movement (`comm.AsyncExchange`) and the end
-half waits for it on the device, so compute issued in between runs under it.
-`payload="fp8"` (precision.dispatch) sends the dispatched rows FP8-quantized (moetrain.moe.payload);
-the combine and all gradients travel in the activations' dtype.
-Statistics count training forwards only: not under no_grad (evaluation), and not during
-activation-checkpoint recomputation (see `recomputing`), so each route counts once.
+  the step, every decision is made on the device, fixed blocks move. Dropped routes contribute
+  zero (moe/capacity.py says why a capacity factor is required).
+Both also run in halves for moe.overlap (`dispatch_begin` / `_end`, `combine_begin` / `_end`:
+`comm.AsyncExchange`). `payload="fp8"` (precision.dispatch) sends the dispatched rows
+FP8-quantized; the combine and all gradients travel in the activations' dtype. Statistics count
+training forwards only (not under no_grad nor in recomputation), so each route counts once.
 """
 
 from __future__ import annotations
@@ -92,10 +88,9 @@ def _inverse_index(
 
 
 class _GatherTokens(torch.autograd.Function):
-    """send[r] = x[token_of_row[r]]: each token fills the rows of its kept routes (padding rows
-    read token 0). Backward: grad_x[t] = sum over k of grad_send[send_row[t, k]], read with a
-    zero row at index R for dropped routes (and padding rows ignored: nothing reads them), summed
-    in fp32: a gather, no scatter-add."""
+    """send[r] = x[token_of_row[r]] (padding rows read token 0). Backward: a gather, no
+    scatter-add: grad_x[t] = sum_k grad_send[send_row[t, k]] in fp32, dropped routes reading a
+    zero row at index R."""
 
     @staticmethod
     def forward(ctx, x_TD, token_of_row_R, send_row_TK):  # type: ignore[override]
@@ -191,11 +186,10 @@ def _sync_split_sizes(
 
 
 class AllToAllDispatcher(_ExpertParallel):
-    """Sort routes by global expert (which groups them by destination rank), exchange counts,
-    sync split sizes to the host, move exactly the routed rows, and reorder the received rows
-    expert-major. Dropless; `moe.capacity_factor` applies to NoSyncDispatcher only. In halves
-    (moe.overlap) the split sizes are still read on the host in `dispatch_begin`; what overlaps
-    is the movement of the rows, both ways, forward and backward."""
+    """Sort routes by global expert (grouping them by destination rank), exchange counts, sync
+    split sizes to the host, move exactly the routed rows, reorder them expert-major. Dropless
+    (`moe.capacity_factor` does not apply). In halves the sizes are still read on the host in
+    `dispatch_begin`; only the rows' movement overlaps."""
 
     def __init__(self, num_experts: int, group: ProcessGroup | None, payload: str = "bf16") -> None:
         self.group, self.num_experts = group, num_experts
@@ -294,11 +288,10 @@ def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int)
 
 
 class NoSyncDispatcher(_ExpertParallel):
-    """GPU-resident dispatch (DESIGN.md): count, share counts, decide, move fixed blocks, compute,
-    return. Every rank must call it with the same T (training micro-batches do); evaluation with
-    ragged batches should use AllToAllDispatcher. Capacity mode: a rank's receive buffer is G
-    blocks of B = min(ceil(cf T K / G), T min(K, e)) rows, about cf T K; there is no dropless
-    variant (its blocks would need the worst case, G T min(K, e) rows per rank)."""
+    """GPU-resident dispatch: count, share counts, decide, move fixed blocks, compute, return.
+    Every rank must call it with the same T (training micro-batches do; ragged evaluation batches
+    take AllToAllDispatcher). A rank's receive buffer is G blocks of
+    B = min(ceil(cf T K / G), T min(K, e)) rows; a dropless variant would need G T min(K, e)."""
 
     def __init__(
         self,
@@ -326,10 +319,9 @@ class NoSyncDispatcher(_ExpertParallel):
         self.transport = (
             transport if transport is not None else AllToAllTransport(group, self.traced)
         )
-        # since the last read, on the device: dropped routes, receive rows used, routes, receive
-        # rows allocated. Device counters, not host ints: a compiled forward would guard on (and
-        # recompile for) every new host value, and a CUDA-graph replay would not advance them.
-        # Allocated here when the device is known (the trainer's dispatchers), else at first use.
+        # Since the last read: dropped routes, receive rows used, routes, receive rows allocated.
+        # Device counters: a compiled forward would recompile for every new host int, and a
+        # CUDA-graph replay would not advance one.
         self._stats = None if device is None else self._new_stats(device)
 
     def capacities(self, num_tokens: int, top_k: int) -> tuple[int, int]:

@@ -1,11 +1,10 @@
 """Expert parallelism as a model transform: keep this rank's slice of experts, swap the dispatcher.
 
 `apply_ep` leaves every name and every non-expert tensor alone. Each MoE layer keeps experts
-[ep_rank * e, (ep_rank + 1) * e) with e = num_experts / ep: on the meta device the expert
-parameters are re-created with e rows, on a materialized model they are sliced (copied, so the
-global tensors can be freed). `experts.expert_offset` records the global id of local expert 0,
-which `init_weights` and checkpoints use to name experts globally. The router stays global.
-Build optimizers after parallelizing: the expert parameters are new objects.
+[ep_rank * e, (ep_rank + 1) * e) with e = num_experts / ep (re-created on meta, copied slices
+otherwise); `experts.expert_offset`, the global id of local expert 0, names experts globally
+for `init_weights` and checkpoints. The router stays global. Build optimizers after
+parallelizing: the expert parameters are new objects.
 """
 
 from __future__ import annotations
@@ -31,9 +30,7 @@ def is_expert_param(name: str) -> bool:
 
 
 def resolve_dispatcher(config: RunConfig, dims: ParallelDims) -> str:
-    """moe.dispatcher "auto": local without expert parallelism; at ep > 1 no_sync on cuda when
-    moe.capacity_factor is set (capacity mode), else all_to_all (dropless, and the portable
-    baseline that gloo runs). `moetrain.moe.capacity.auto_dispatcher` is the rule."""
+    """moe.dispatcher "auto" resolved for this layout (`moe.capacity.auto_dispatcher`)."""
     choice = config.moe.dispatcher
     if choice == "auto":
         return auto_dispatcher(dims.ep, dims.device.type == "cuda", config.moe.capacity_factor)
@@ -99,10 +96,9 @@ def read_dispatch_stats(model: nn.Module, reset: bool = True) -> dict[str, torch
 
 
 def globalize_experts(state: dict[str, Any], dims: ParallelDims) -> dict[str, Any]:
-    """For checkpoints: wrap this rank's expert slices as DTensors on the (edp, ep) mesh, sharded
-    over ep along the expert dim and replicated over edp, so DCP records global names and global
-    shapes and can load them into any other layout. Nested dicts (optimizer state keyed by
-    parameter name) are walked; entries under an expert name are wrapped. Identity when ep == 1."""
+    """For checkpoints: this rank's expert slices as DTensors on the (edp, ep) mesh (Shard(0) over
+    ep, Replicate over edp), so DCP records global names and shapes and loads into any layout.
+    Nested dicts (optimizer state by parameter name) are walked. Identity when ep == 1."""
     if dims.ep == 1:
         return state
     mesh = dims.mesh["edp", "ep"]

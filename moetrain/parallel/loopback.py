@@ -1,17 +1,13 @@
 """A one-process transport whose exchange runs where NCCL's would: on a side stream.
 
-`LoopbackTransport` plugs into `NoSyncDispatcher` (its `Transport`) as a group of one: the blocks
-come back to the rank that sent them, as a device copy. The copy runs on a side stream, ordered
-after the current stream when launched, and the current stream waits for it on the device when
-the exchange ends, exactly the two waits NCCL's stream gets (`comm.AsyncExchange`). So the
-overlapped MoE layer runs in one process on one GPU with the same stream structure it has on
-many, which the CUDA stream sanitizer (`TORCH_CUDA_SANITIZER=1`) can check, and which benchmarks
-time. `stand_in(send_RD)`, if given, runs on the side stream after the copy: a kernel that takes
-what the real exchange would take of the link (benchmarks/overlap.py).
-
-Memory: the side stream reads the input and writes the output, which the current stream
-allocated; both are `record_stream`-ed, so the allocator does not hand them out again before the
-copy is done. On the CPU there are no streams: the copy runs at once and the wait is empty.
+`LoopbackTransport` is a `NoSyncDispatcher` transport for a group of one: the blocks come back as
+a device copy on a side stream, with the two device-side waits NCCL's stream gets
+(`comm.AsyncExchange`). So the overlapped MoE layer has on one GPU the stream structure it has on
+many, for the CUDA stream sanitizer (`TORCH_CUDA_SANITIZER=1`) and benchmarks.
+`stand_in(send_RD)`, if given, runs on the side stream after the copy: a kernel that takes what
+the real exchange would take of the link (benchmarks/overlap.py). Input and output are
+`record_stream`-ed so the allocator does not reuse them before the copy is done. On the CPU the
+copy runs at once and the wait is empty.
 """
 
 from __future__ import annotations

@@ -8,19 +8,16 @@
     5. data parallelism         FSDP2 when parallel.data_parallel == "fsdp"; for "ddp" the trainer
                                 wraps its backward with data.GradientSync instead
 
-Ordering: the pipeline split first, because it deletes the modules other stages own: every later
-step then touches only this rank's layers (EP shards only their experts, nothing else is ever
-allocated), and the split needs the global model, whose blocks are keyed by global layer index.
-EP next, because it changes parameter shapes and the layers' dispatchers that the later steps
-wrap; checkpointing before compile, so the compiled region includes the checkpoint; FSDP last,
-because it takes ownership of the final parameters (in the order torchtitan uses). FSDP is not
-combined with pp > 1, and zero_bubble not with compile (torch cannot split a compiled block's
-backward into its input and weight parts).
-Every transform works in place and keeps parameter names (no wrapper modules), so checkpoints
-and parameter groups see the same names under every layout. Works on the meta device (before
-`to_empty` + `init_weights`) and on a materialized model. One caveat for FSDP: `init_weights` on
-a sharded meta model initializes DTensor shards, which does not reproduce the single-process
-weights; to keep "same seed, same global weights", initialize before `parallelize` with fsdp.
+Ordering: the pipeline split first, on the global model (blocks keyed by global layer index), so
+every later step touches only this rank's layers; EP next, because it changes parameter shapes
+and the dispatchers later steps wrap; checkpointing before compile, so the compiled region holds
+the checkpoint; FSDP last, owning the final parameters (torchtitan's order). FSDP is not combined
+with pp > 1, nor zero_bubble with compile (torch cannot split a compiled block's backward into
+input and weight parts).
+Every transform works in place and keeps parameter names, so checkpoints and parameter groups
+see the same names under every layout; on the meta device or a materialized model. With fsdp,
+`init_weights` on a sharded meta model does not reproduce the single-process weights: for "same
+seed, same global weights", initialize before `parallelize`.
 """
 
 from __future__ import annotations
@@ -63,9 +60,8 @@ def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Tr
 
 
 def apply_global_load_balance(model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
-    """moe.lb_scope "global_batch": the balance loss of every micro-batch uses route counts summed
-    over the data-parallel ranks of the stage (one small all-reduce per layer and micro-batch), so
-    its fractions f_e are those of the global micro-batch instead of this rank's share."""
+    """moe.lb_scope "global_batch": the balance loss's fractions f_e use route counts summed over
+    the stage's data-parallel ranks (one small all-reduce per layer and micro-batch)."""
     if config.moe.lb_scope != "global_batch" or dims.dp_group is None:
         return
     traced = traceable(dims.dp_group, dims.device)
@@ -108,10 +104,8 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 
 
 def apply_compile(model: Transformer) -> None:
-    """Compile each block on its own: small regions, and the graph breaks at the exact-split
-    dispatcher's collectives (comm.py hides them from dynamo; NoSync's are traced: one graph a
-    block) stay inside the MoE layer. The final norm too: eager, its fp32 formula runs as ten
-    elementwise and reduction kernels."""
+    """Compile each block on its own (small regions; the exact-split dispatcher's graph breaks
+    stay inside the MoE layer), and the final norm (eager, its fp32 formula is ten kernels)."""
     for block in model.blocks.values():
         block.compile()
     if model.norm is not None:

@@ -1,38 +1,27 @@
 """Pipeline parallelism: this rank's stages of the model, run by a torch.distributed.pipelining
 schedule, with expert and data parallelism inside every stage.
 
-Split. The layers are cut into num_stages = pp x v contiguous ranges by `plan.stage_layer_ranges`
-(v = 2 stages per rank for interleaved_1f1b, else 1; uneven splits give the first and last stage
-the fewer layers, since they also hold the embedding and the head). Stage s runs on pp rank
-s % pp, the loop placement torch's interleaved schedules expect. Stage 0 holds the embedding; the
-last stage holds the final norm and the LM head and computes the loss. `split_model` deletes from
-the meta model every module that none of this rank's stages owns; what stays keeps its global name
-(blocks stay keyed by global layer index), so parameter groups, gradient sync, optimizer states
-and checkpoints see global names, and a checkpoint reshards across pipeline layouts as it does
-across dp and ep. `StageModule` is one stage's view of that model: the same module objects.
+Split: the layers are cut into num_stages = pp x v contiguous ranges (`plan.stage_layer_ranges`;
+v = 2 for interleaved_1f1b, else 1; the first and last stage, which also hold the embedding and
+the head, get the fewer layers). Stage s runs on pp rank s % pp (torch's loop placement); the
+last stage holds the final norm and LM head and computes the loss. `split_model` deletes the
+modules none of this rank's stages owns; the rest keep their global names, so parameter groups,
+optimizer states and checkpoints see global names and reshard across pipeline layouts.
 
-Schedules (`parallel.pp_schedule`): gpipe (ScheduleGPipe), 1f1b (Schedule1F1B),
-interleaved_1f1b (ScheduleInterleaved1F1B, 2 stages per rank) and zero_bubble
-(ScheduleInterleavedZeroBubble with one stage per rank, i.e. ZB-H1: the backward is split into an
-input-gradient pass and a weight-gradient pass that fills the bubble). Stage shapes are given
-statically, so no stage runs a metadata-inference forward (which would count routes, draw random
-experts and run expert all-to-alls outside the step).
+Schedules (`parallel.pp_schedule`): gpipe, 1f1b, interleaved_1f1b (2 stages per rank) and
+zero_bubble (ScheduleInterleavedZeroBubble with one stage per rank: ZB-H1). Stage shapes are
+static, so no stage runs a metadata-inference forward (which would count routes, draw random
+experts and run all-to-alls outside the step).
 
-One step, as the trainer calls it: `forward_backward` stacks the step's gradient-accumulation
-micro-batches into one batch of (accum x micro_batch_size) sequences and calls `schedule.step`,
-which cuts it into m = parallel.pp_microbatches (default: accum) pipeline micro-batches. The last
-stage's loss is `model.loss / m` and every MoE layer's `aux_grad_scale` is 1 / m, so gradients are
-those of the mean loss over the step's batch, as in the unpipelined loop; the schedule's own
-scaling is off (`scale_grads=False`): it would divide gradients after the sync hooks read them.
-Every backward of a stage but its last runs under the optimizer's `no_sync()`; the last lets the
-gradient-sync hooks launch reductions while the rest of the backward runs. Zero-bubble weight
-passes write `.grad` without autograd's hooks, so the stage runs them after each (`_Stage`): every
-micro-batch's gradient reaches the fp32 accumulation buffers, as under the other schedules.
+One step: `forward_backward` stacks the step's accumulation micro-batches into one batch and
+`schedule.step` cuts it into m = parallel.pp_microbatches pipeline micro-batches. The loss is
+`model.loss / m` and every MoE layer's `aux_grad_scale` 1 / m, so gradients are those of the
+step's mean loss; the schedule's own scaling is off (it would divide after the sync hooks read
+the gradients). Every backward of a stage but its last runs under `no_sync()`.
 
-Reductions across stages: the loss (known on the last stage) is summed over pp every step, since
-every stage must agree on skipping a non-finite step; the gradient norm sums over pp in
-`global_grad_norm` / `ShardedAdamW`; MoE routing statistics are gathered to every rank
-(`gather_moe_stats`) so the log shows every layer, numbered as in one process.
+Across stages: the loss is summed over pp every step (every stage must agree on skipping a
+non-finite step), the gradient norm in `global_grad_norm` / `ShardedAdamW`, and MoE routing
+statistics are gathered to every rank (`gather_moe_stats`) so the log shows every layer.
 """
 
 from __future__ import annotations
@@ -94,11 +83,7 @@ class PipelineLayout:
 
 def pipeline_layout(config: RunConfig, dp: int) -> PipelineLayout:
     """The split and micro-batching for `config` at data-parallel degree `dp`, or a ValueError
-    naming the config fields. Rules: pp x stages per rank <= model.num_layers (every stage
-    needs a layer); pp_microbatches divides the sequences of a step (accum x micro_batch_size);
-    1f1b, interleaved_1f1b and zero_bubble need pp_microbatches >= pp (each runs up to pp
-    forwards before its first backward), and the last two, whose torch schedules run
-    pp_microbatches // pp rounds, a multiple of that number; gpipe takes any number."""
+    naming the config fields (each rule's why is in its message)."""
     p, m = config.parallel, config.model
     v = STAGES_PER_RANK[p.pp_schedule]
     num_stages = p.pp * v
@@ -137,9 +122,7 @@ def pipeline_layout(config: RunConfig, dp: int) -> PipelineLayout:
             "last stages would need a shared embedding kept in sync; untie it"
         )
     if p.pp_schedule == "zero_bubble" and p.activation_checkpointing != "none":
-        # The weight pass backpropagates through the checkpointed regions a second time, so
-        # each would be recomputed twice (expert all-to-alls included); torch's non-reentrant
-        # checkpoint then re-enters our recompute context, which fails.
+        # torch's non-reentrant checkpoint would re-enter our recompute context, which fails.
         raise ValueError(
             f"parallel.activation_checkpointing ({p.activation_checkpointing}) cannot be "
             "combined with parallel.pp_schedule zero_bubble, whose separate weight-gradient "
@@ -197,14 +180,10 @@ class StageModule(nn.Module):
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage whose backward passes, all but the step's last, run under `no_sync`,
-    so gradient-sync hooks launch reductions once per step, on the last backward.
-
-    torch's zero-bubble weight pass (`stage_backward_weight`) writes `.grad` itself, bypassing
-    autograd's AccumulateGrad and so the post-accumulate-grad hooks through which the gradient
-    sync adds each micro-batch's gradient into its fp32 buffer (`precision.grad_dtype`): the
-    micro-batches would be summed in bf16 in `.grad`. After each weight pass the stage runs
-    those hooks on the gradients it wrote, as AccumulateGrad would have."""
+    """A PipelineStage whose backward passes but the step's last run under `no_sync`. torch's
+    zero-bubble weight pass writes `.grad` itself, bypassing the post-accumulate-grad hooks that
+    add each micro-batch into the fp32 buffers (micro-batches would sum in bf16): after each
+    weight pass the stage runs those hooks, as AccumulateGrad would have."""
 
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
 
