@@ -1,14 +1,11 @@
 """`moetrain plan`: choose a parallel layout for a model and a cluster before launching it.
 
-For every valid layout (pp, dp, ep, micro-batch, activation checkpointing) the planner estimates,
-per GPU, memory at the peak, the bytes sent per step over NVLink and over the network, and the
-step time of a roofline model. It is arithmetic on the config: nothing is built and torch is not
-imported, so plans for trillion-parameter models take milliseconds. One concept per module, each
-depending only on those before it: `links` (collective times over NVLink and the network),
-`layout` (GPUs, cluster, layouts, rank placement, enumeration), `memory` (bytes per GPU), `timing`
-(one stage's time and traffic), `search` (step estimates and ranking), `calibration` (measured
-rates that replace the datasheet's), `compare` (the N-GPU projection's arithmetic around one
-rank's measured compute), `cli` (the command). docs/plan.md states the model and its assumptions.
+For every valid layout (pp, dp, ep, micro-batch, activation checkpointing) the planner estimates
+per GPU the peak memory, the bytes sent per step over NVLink and the network, and a roofline step
+time. It is arithmetic on the config: nothing is built and torch is not imported. Modules, each
+depending only on those before it: `links`, `layout`, `memory`, `timing`, `search`,
+`calibration`, `compare` (with `rank_compute`, `fsdp`, `overlap`, `compare_report`), `cli`.
+docs/plan.md states the model and its assumptions.
 """
 
 from moetrain.plan.cli import add_plan_parser, load_config, run_plan

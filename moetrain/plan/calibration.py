@@ -1,18 +1,12 @@
 """A calibration file: rates measured on one GPU that replace the planner's datasheet-derived
 efficiencies, written by `moetrain bench --calibrate` and read by `moetrain plan`.
 
-Contents: the GPU's short 8192^3 BF16 matmul rate and the rate it sustains at its power limit
-(`moetrain.bench.timing.sustained_matmul`), its copy bandwidth, and per config (by name) the
-rates measured at that config's shapes: the dense products (projections, router, LM head),
-the experts' grouped GEMMs with uniform groups, causal attention (in model FLOPs, 6 D S per
-token and layer, as flops.py counts it), and the ratio of what a compiled block saves for
-backward to what the activation model counts (plan.memory, eager autograd's bytes).
-
-How a plan uses it (`calibrated_cluster`): products run at the measured rate scaled by
-sustained / short matmul (training steps run at the power limit, short kernel timings do not),
-as a fraction of the datasheet peak; memory-bound kernels and the optimizer at the measured
-copy bandwidth; kept activations scaled by the measured ratio. A config without its own entry
-takes the median of the entries. Nothing here imports torch.
+Contents: the short and the power-limited (sustained) 8192^3 BF16 matmul rate, the copy
+bandwidth, and per config name the rates at its shapes (`ShapeRates`). A plan
+(`calibrated_cluster`) runs products at the measured rate x sustained / short (steps run at the
+power limit, short timings do not), memory-bound work at the copy bandwidth, and scales kept
+activations by the measured factor; a config without an entry takes the entries' median.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -29,7 +23,8 @@ from moetrain.plan.layout import GPUS, Cluster
 
 @dataclass(frozen=True)
 class ShapeRates:
-    """TFLOP/s measured at one config's shapes (short timings, full clock)."""
+    """TFLOP/s at one config's shapes (short timings, full clock): dense products, the experts'
+    grouped GEMMs (uniform groups), causal attention; and the activation factor."""
 
     dense_tflops: float
     grouped_tflops: float

@@ -3,20 +3,13 @@
 compute measured on the local GPU by bench/measure_rank.py). Nothing here imports torch.
 
 A row is a layout variant (`Variant`) at one point of the sweep: tokens per micro-batch per rank
-(4k, 8k, 16k, 32k) and activation checkpointing (none, moe, full), at a fixed global batch
-(default 4M tokens), so m = global / (tokens x dp) micro-batches a step. A variant is reported at
-its fastest point that fits the GPU's memory (the planner's memory model); `sweep` keeps every
-point.
-
-A rank's compute: plan/rank_compute.py (measured and carried to the point and the GPU, or the
-planner's roofline).
-
-Resident experts (`plan.search.estimate` of the layout: pp stages, ep inside dp, ShardedAdamW or
-the replicated AdamW): the busiest rank takes `expert_load` x T K rows (capacity factor or
-measured imbalance: its experts' products, buffers and all-to-alls grow with it), the
-dispatcher's measured index work and host sync per MoE layer, all-to-alls exposed unless
-`two_chunk`, gradient reductions under the last backward, ShardedAdamW's parameter all-gather
-after the update, the pipeline bubble. FSDP2 and HSDP: plan/fsdp.py. Overlap: plan/overlap.py.
+(4k to 32k) and activation checkpointing, at a fixed global batch (default 4M tokens). A variant
+is reported at its fastest point that fits the GPU's memory; `sweep` keeps every point. A rank's
+compute: plan/rank_compute.py. Resident experts (`plan.search.estimate` of the layout): the
+busiest rank takes `expert_load` x T K rows, the dispatcher's index work and host sync per MoE
+layer, all-to-alls exposed unless `two_chunk`, gradient reductions under the last backward,
+ShardedAdamW's all-gather after the update, the pipeline bubble. FSDP2 and HSDP: plan/fsdp.py.
+Overlap: plan/overlap.py.
 """
 
 from __future__ import annotations
@@ -183,8 +176,8 @@ def resident_memory(config: RunConfig, variant: Variant, est: Estimate) -> Memor
 def layout_memory(
     config: RunConfig, variant: Variant, layout: Layout, cluster: Cluster, expert_load: float
 ) -> Memory:
-    """What a rank of `variant` holds at `layout` (one micro-batch a step), by the models the
-    rows use: for checking them against a measured peak (bench's multirank memory check)."""
+    """What a rank of `variant` holds at `layout` (one micro-batch a step), by the rows' memory
+    models (bench's multirank memory check)."""
     if variant.fsdp:
         reduce_bytes = 4 if variant.reduce == "fp32" else 2
         return fsdp_memory(

@@ -1,8 +1,6 @@
-"""The comparison of resident experts and FSDP2 as text: the table of each variant's best
-feasible point, the answer (which layout wins on which GPU, by how much), the reference's own
-comparison (its FSDP baseline: gathers every micro-batch, fp32 reduce, 8k-token micro-batches;
-against resident experts; both on B300), the sweep of the compute scale, the assumptions every
-number rests on, and the JSON of the whole sweep. Nothing here imports torch.
+"""The comparison of resident experts and FSDP2 as text: each variant's best feasible point, the
+answer (which wins, by how much), the reference's own comparison on B300, the compute-scale
+sweep, the assumptions, and the JSON of the whole sweep. Nothing here imports torch.
 """
 
 from __future__ import annotations

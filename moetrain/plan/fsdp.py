@@ -2,19 +2,16 @@
 per micro-batch, for each `parallel.fsdp_reshard` mode, reduce dtype and HSDP.
 
 Every block is one FSDP2 group, the root (embedding, final norm, head) another. Over a shard
-group of n ranks (all N, or a node's under HSDP, with N / n replicas):
-- all-gathers of the bf16 parameters: forward (every group, every micro-batch; `step`: the
-  first micro-batch of a step only) and, for `forward`, the blocks again in backward;
-- reduce-scatters of the gradients in the reduce dtype (`precision.grad_dtype`), every
-  micro-batch (`step`: the last), then under HSDP an all-reduce of the shard across replicas.
-Memory: the 1 / n shard of parameters, their gradients (FSDP2 hands back the parameters'
-dtype), the optimizer's master and moments; what is gathered: the running and the prefetched
-block (`forward`), every block from its forward to its backward (`backward`), or the whole model
-with its accumulated gradients in the reduce dtype (`step`); the root stays gathered from forward
-to backward; in flight, one block's gradients and the previous block's reduce-scatter input (in
-the reduce dtype); the activations of
-the planner's model (plan.memory) for one micro-batch. At n = 1 FSDP2 is not applied
-(parallel/data.py) and nothing is gathered. Nothing here imports torch.
+group of n ranks (all N, or a node under HSDP):
+- all-gathers of the bf16 parameters in forward (`step`: the step's first micro-batch only)
+  and, for `forward`, the blocks again in backward;
+- reduce-scatters of the gradients in `precision.grad_dtype` every micro-batch (`step`: the
+  last), then under HSDP an all-reduce across replicas.
+Memory: the 1 / n shard of parameters, gradients, master and moments; gathered: the running and
+the prefetched block (`forward`), every block from forward to backward (`backward`), or the whole
+model with its accumulated gradients (`step`), the root always; in flight, one block's gradients
+and the previous block's reduce-scatter input; one micro-batch of plan.memory's activations.
+At n = 1 FSDP2 is not applied and nothing is gathered. Nothing here imports torch.
 """
 
 from __future__ import annotations

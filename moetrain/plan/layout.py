@@ -55,21 +55,16 @@ class Cluster:
     memory_gib: float | None = None  # usable memory per GPU; None: the datasheet HBM
     nvlink_gbps: float | None = None  # None: the GPU's datasheet value
     internode_gbps: float | None = None
-    matmul_efficiency: float = 0.8  # dense products; H200: 794 of 989 TFLOP/s (8192^3 BF16)
-    grouped_efficiency: float = 0.7  # expert grouped GEMMs; H200: 631-720 of 989 at MoE shapes
-    # FP8 products (row-scaled, fast accumulation) against the FP8 datasheet peak; H200: grouped
-    # 868-1,130 and dense 929-1,431 of 1,979 TFLOP/s at small's and olmoe8's shapes
-    fp8_efficiency: float = 0.5
-    # SDPA cuDNN on H200 does 470 real TFLOP/s; counted as model FLOPs (6 D S per token and
-    # layer, 6/7 of the real causal count) that is 403 of 989
-    attention_efficiency: float = 0.41
+    # Efficiencies: shares of the datasheet peak (their basis: docs/plan.md).
+    matmul_efficiency: float = 0.8  # dense BF16 products
+    grouped_efficiency: float = 0.7  # the experts' grouped GEMMs
+    fp8_efficiency: float = 0.5  # FP8 products (row-scaled), of the FP8 peak
+    attention_efficiency: float = 0.41  # in model FLOPs (6 D S per token and layer)
     latency_us: float = 10.0  # per collective or send
     link_efficiency: float = 0.8  # share of the datasheet link bandwidth collectives reach
     overhead_gib: float = 2.0  # CUDA context, library workspaces, communication buffers
     hbm_tbps: float | None = None  # memory-bound kernels and the optimizer; None: datasheet
-    # kept activations relative to what eager autograd saves (plan.memory); compiled blocks
-    # save less, and a calibration file (plan/calibration.py) measures the ratio
-    activation_factor: float = 1.0
+    activation_factor: float = 1.0  # kept activations / eager autograd's (a calibration's)
 
     def __post_init__(self) -> None:
         positive = (
@@ -131,12 +126,9 @@ class Layout:
 
 
 def stage_layer_ranges(num_layers: int, pp: int) -> list[range]:
-    """Contiguous layer ranges of the pp pipeline stages, sizes differing by at most one.
-
-    Stage 0 holds the most in-flight micro-batches under 1F1B (and the embedding); the last stage
-    runs the LM head and the loss. So the extra layers of an uneven split go to the stages just
-    before the last one, then to the last one: e.g. 10 layers on 4 stages -> 2, 3, 3, 2.
-    """
+    """Contiguous layer ranges of the pp pipeline stages, sizes differing by at most one. The
+    extra layers go first to the stages just before the last, then to the last, and to stage 0
+    (most micro-batches in flight, and the embedding) last: 10 layers on 4 stages: 2, 3, 3, 2."""
     if pp < 1:
         raise ValueError(f"parallel.pp ({pp}) must be >= 1")
     if pp > num_layers:

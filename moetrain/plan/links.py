@@ -1,25 +1,17 @@
 """The link model: how long a collective takes on one GPU, from the bytes it moves and the
 bandwidth of NVLink (inside a node) and of the network (between nodes).
 
-Bandwidths are per GPU and per direction, in GB/s (1e9 B/s). Datasheets quote NVLink as the sum
-of both directions: H100/H200 NVLink 4 "900 GB/s" is 450 per direction, B200/B300 NVLink 5
-"1.8 TB/s" is 900; a 400 Gb/s NIC per GPU is 50 GB/s, an 800 Gb/s one 100.
-
-Bytes each GPU sends for a buffer of S bytes over a group of n ranks (bandwidth-optimal
-algorithms; S is the whole buffer: the all-gather's output, the reduce-scatter's input, the
-all-reduce's buffer, the all-to-all's payload of one rank with its own share):
-- reduce-scatter and all-gather: (n - 1) / n x S;
-- all-reduce (ring: a reduce-scatter, then an all-gather): 2 (n - 1) / n x S;
+Bandwidths are per GPU and per direction, in GB/s (1e9 B/s; datasheets quote NVLink as the sum
+of both directions: NVLink 4's "900 GB/s" is 450). Bytes each GPU sends for a whole buffer of S
+bytes over n ranks (bandwidth-optimal algorithms):
+- reduce-scatter and all-gather: (n - 1) / n x S; all-reduce (ring): twice that;
 - all-to-all with even splits: (n - 1) / n x S, of which (n - local) / n leaves the node.
-A collective over a group that spans nodes runs hierarchically: inside each node over NVLink,
-(local - 1) / local x S, then across nodes among the ranks that hold the same slice,
-S / local x (nodes - 1) / nodes, one after the other. An all-to-all drives both links at once.
-time = bytes / (bandwidth x efficiency) + one latency per collective. `efficiency` is the share of
-the datasheet bandwidth a collective reaches (1.0: the datasheet; NCCL's bus bandwidth on an
-H100/H200 NVLink node is about 0.8 of it). An all-to-all sends each peer its own message, and
-small messages do not reach that rate: it runs at m / (m + m_half) of it for messages of m
-bytes, m_half = `half_rate_bytes` (an assumption, 1 MiB, not a measurement). Nothing here
-imports torch.
+A collective spanning nodes runs hierarchically: (local - 1) / local x S over NVLink, then
+S / local x (nodes - 1) / nodes over the network, one after the other; an all-to-all drives
+both links at once. time = bytes / (bandwidth x efficiency) + a latency per collective, where
+`efficiency` is the share of the datasheet a collective reaches; an all-to-all with messages
+of m bytes a peer runs at m / (m + `half_rate_bytes`) of that (an assumption, not a
+measurement). Nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Communication beside compute: how much of a transfer a compute span hides, from measured
 pairs or from a stated assumption.
 
-A pair is measured on one GPU with stand-in communication kernels (`benchmarks/overlap.json`,
-written by the overlap benchmark): sigma = t_compute_with_comm / t_compute_alone - 1 (compute
-slowdown while the transfer runs) and eta = (t_comp + t_comm - t_pair) / min(t_comp, t_comm)
-(share of the shorter one hidden). Pairs: `a2a` (a chunk's dispatch or combine under the other
-chunk's compute, moe.overlap two_chunk), `fsdp_gather` and `fsdp_reduce_scatter` (FSDP2's
-prefetched all-gathers and its gradient reductions under the blocks' compute; the reductions
-of GradientSync and ShardedAdamW under backward use the latter).
-
-`paired_s` uses both: a share phi of the transfer runs beside the compute and slows it by
-sigma while it runs, the rest is exposed; phi = eta (1 + sigma) (at most 1) reproduces the
-measured pair when the transfer is the shorter of the two. Without a file the assumption is the
-code's plain reading, stated with every table: FSDP2's prefetched gathers and every gradient
-reduction under backward hidden (sigma 0, eta 1), the all-to-alls not (eta 0). Nothing here
-imports torch.
+A pair is measured on one GPU with stand-in communication kernels (`benchmarks/overlap.json`):
+sigma = t_compute_with_comm / t_compute_alone - 1 (compute slowdown while the transfer runs),
+eta = (t_comp + t_comm - t_pair) / min(t_comp, t_comm) (share of the shorter one hidden). Pairs:
+`a2a` (moe.overlap two_chunk's exchanges under the other chunk's compute), `fsdp_gather` and
+`fsdp_reduce_scatter` (FSDP2's prefetched gathers and gradient reductions under the blocks'
+compute; GradientSync's and ShardedAdamW's reductions use the latter). `paired_s`: a share
+phi = min(1, eta (1 + sigma)) of the transfer runs beside the compute, slowing it by sigma; the
+rest is exposed (this reproduces the pair when the transfer is the shorter). Without a file:
+gathers and gradient reductions hidden (sigma 0, eta 1), all-to-alls not (eta 0), stated with
+every table. Nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -105,11 +105,10 @@ def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -
 def _matmul_parts(
     config: RunConfig, cluster: Cluster, layout: Layout, stage: int
 ) -> tuple[float, float]:
-    """One micro-batch's products on a stage: (the experts' grouped products, the others). A forward is a third of forward + backward; moe
-    checkpointing redoes the experts and the router (2 D E FLOPs per token), full everything.
-    FP8 GEMMs (experts, `precision.linear`, `precision.lm_head`) run the forward and the input
-    gradient, and any recomputed forward, at the FP8 rate; their weight gradient stays bf16
-    (moe/fp8_experts.py, nn/fp8.py, nn/loss.py)."""
+    """One micro-batch's products on a stage: (the experts' grouped products, the others). A
+    forward is a third of forward + backward; moe checkpointing redoes the experts and the router
+    (2 D E FLOPs per token), full everything. FP8 GEMMs run forward and input gradient at the
+    FP8 rate; their weight gradient stays bf16."""
     m, moe, gpu = config.model, config.moe, cluster.gpu
     lp = layer_params(config)
     _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
