@@ -1,11 +1,9 @@
 """Gradient accumulation into a buffer of wider dtype in one Triton pass: `buffer = grad` (the
 first micro-batch of a step) or `buffer += grad`, with the cast fused into the load.
 
-The gradient sync's fp32 buffers (Megatron's main_grad) take every micro-batch's bf16 `.grad`.
-torch's `copy_` / `add_` across two dtypes work on each element through a dynamic cast; this
-kernel loads the bf16 gradient and the fp32 buffer as plain vectors, adds in fp32 and stores
-once (6 bytes per element for the copy, 10 for the add). The result is the same as torch's:
-one fp32 addition of the exactly widened gradient per element.
+For the gradient sync's fp32 buffers, which take every micro-batch's bf16 `.grad` (torch's
+mixed-dtype `copy_` / `add_` cast element by element). The result equals torch's: one fp32
+addition of the exactly widened gradient per element.
 """
 
 from __future__ import annotations

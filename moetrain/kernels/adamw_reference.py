@@ -1,10 +1,9 @@
 """Plain-torch AdamW with the signature and semantics of `adamw_triton.multi_tensor_adamw_`.
 
-The twin the Triton kernel is tested against, written as the obvious per-tensor loop: every
-element is computed in fp32 in the same order as the kernel (and as torch's single-tensor AdamW,
-decoupled weight decay), the bias corrections in fp64 from the step tensor. It runs on any
-device, with no host sync: a nonzero `found_inf` is honoured with `torch.where`. The caller owns
-the step counter and advances it only on steps that count: `step += 1 - found_inf`.
+The twin the Triton kernel is tested against, a per-tensor loop: fp32 per element in the
+kernel's order (torch's single-tensor AdamW, decoupled weight decay), bias corrections in fp64
+from the step tensor; any device, no host sync (a nonzero `found_inf` applies through
+`torch.where`). The caller advances the step only on steps that count: `step += 1 - found_inf`.
 """
 
 from __future__ import annotations

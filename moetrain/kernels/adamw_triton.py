@@ -1,42 +1,23 @@
 """Multi-tensor AdamW in one Triton launch, near copy bandwidth; twin of `adamw_reference`.
 
-AdamW does a handful of flops per element and moves 14 to 28 bytes, so its floor is the memory
-traffic: read grad, param (or fp32 master), m and v once, write them once. torch's fused AdamW
-reaches about half of that on our parameter sets (and with fp32 masters needs the gradients cast
-first); this kernel covers every tensor of a call (one dtype signature, one set of
-hyper-parameters) with a single launch whose programs each update one chunk of BLOCK elements of
-one tensor.
-
-- Tables: a cached chunk table (tensor index and first element of each program's chunk, plus each
-  tensor's numel) depends only on the numels and BLOCK. The data pointers change every step
-  (gradients are new tensors), so they are gathered on the host, pinned and uploaded
-  asynchronously: no host sync. The kernel casts each loaded int64 to a typed pointer.
-- Vector width: a pointer loaded from memory carries no alignment facts, and a mask against a
-  loaded numel has no known divisibility; either alone makes the compiler fall back to scalar
-  loads. So when every address is a multiple of 16 bytes (checked on the host) the kernel asserts
-  it with `tl.multiple_of`, and whole chunks run without an element mask: only each tensor's last
-  chunk is masked. The default block gives each thread one 16-byte vector of each state tensor
-  at 4 warps (1024 elements with bf16 states, 512 with fp32): small programs, many resident per
-  SM, hide each program's fixed start (its table loads).
-- Per-step scalars: the bias corrections 1 - beta**step come from the device step counter in
-  fp64 (in fp32, 1 - 0.999**1 loses three digits to cancellation; torch uses double there too),
-  and so do the step size lr / bc1 and the decay factor 1 - lr * wd. A one-program prologue
-  kernel computes them once a launch, rounded to fp32, into a 3-float buffer every program
-  loads, rather than every program in software fp64. Python floats reach a Triton kernel as fp32,
-  so the doubles the prologue needs (lr, wd, log2 beta) travel as hi/lo fp32 pairs.
-- Precision: the per-element math is fp32 in the order of the reference (and of torch's
-  single-tensor AdamW), with no multiply-add contraction, but with the hardware's square root
-  and division (`tl.sqrt`, `/`: within 2 fp32 ulps) instead of IEEE-rounded ones, whose longer
-  sequences made the kernel issue-bound rather than memory-bound. The tests hold the kernel to
-  the reference within one bf16 ulp, or an fp32 relative 1e-6.
-- `found_inf` (nonzero: skip the step) is read on the device; a skipped step reads and writes
-  nothing. The caller advances the device step counter only on steps that count, before the
-  call: `step += 1 - found_inf`.
-- The interpreter (TRITON_INTERPRET=1, CPU tensors) truncates fp32 -> bf16; there the rounding to
-  nearest even is done on the bits, so the interpreter checks the same results as the GPU.
-
-Triton is imported guarded: without it this module still imports, `triton_available()` is False
-and the entry point raises.
+AdamW is bound by memory traffic (read grad, param or fp32 master, m and v once; write them
+once), so one launch covers every tensor of a call (one dtype signature, one set of
+hyper-parameters), each program updating BLOCK elements of one tensor (chunk tables and address
+uploads without a host sync: kernels/multi_tensor.py).
+- Vector width: loaded pointers carry no alignment facts and a mask against a loaded numel no
+  divisibility, either of which makes loads scalar; so when every address is 16-byte aligned
+  (checked on the host) the kernel asserts it with `tl.multiple_of` and masks only each tensor's
+  last chunk. The default block is one 16-byte vector of each state tensor a thread at 4 warps.
+- Per-step scalars (step size lr / bc1, sqrt(bc2), decay 1 - lr * wd) come from the device step
+  in fp64 (in fp32, 1 - 0.999**1 loses three digits), once a launch in a one-program prologue;
+  its fp64 inputs travel as hi/lo fp32 pairs (Python floats reach Triton as fp32).
+- Precision: fp32 per element in the reference's order, no multiply-add contraction, but the
+  hardware's square root and division (within 2 fp32 ulps; IEEE-rounded ones made the kernel
+  issue-bound). The tests hold it to the reference within one bf16 ulp or fp32 relative 1e-6.
+- A nonzero `found_inf` (read on the device) makes the step write nothing.
+- The interpreter (TRITON_INTERPRET=1) truncates fp32 -> bf16, so there the rounding to nearest
+  even is done on the bits.
+Without Triton the module imports, `triton_available()` is False and the entry point raises.
 """
 
 from __future__ import annotations
@@ -222,12 +203,11 @@ def multi_tensor_adamw_(
 ) -> None:
     """AdamW (decoupled weight decay) on every tensor of the lists, in one launch, in place.
 
-    `step` is the device step count after this step's increment; grads are divided by
-    `grad_scale` as they are read; a nonzero `found_inf` leaves every tensor untouched. With
-    `masters` the fp32 masters carry the update and params get their rounded copies. All tensors:
-    contiguous, on one CUDA device (CPU under TRITON_INTERPRET=1), one dtype per list.
-    `block` (elements per program) defaults to 16 bytes of each state tensor per thread.
-    `lr` may be an fp64 scalar tensor on the device, read by the kernel (CUDA graph capture).
+    `step`: the device step count after this step's increment (`step += 1 - found_inf`); grads
+    are divided by `grad_scale` as read; a nonzero `found_inf` leaves every tensor untouched.
+    With `masters` the fp32 masters carry the update and params get their rounded copies. All
+    tensors contiguous on one CUDA device (CPU under TRITON_INTERPRET=1), one dtype per list.
+    `lr` may be an fp64 device scalar (CUDA graph capture).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed: use moetrain.kernels.adamw_reference instead")

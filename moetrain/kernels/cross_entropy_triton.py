@@ -4,29 +4,18 @@ Twin of `moetrain.nn.loss._chunk_loss_and_grad`, which moetrain/nn/loss.py repla
 CUDA: for logits (C, V) and targets (C,), the summed loss sum_c lse_c - logit[c, target_c] (fp32
 scalar) and a new gradient scale * (softmax - onehot) in the logits' dtype.
 
-Design: one program of 32 warps per row. Pass 1 reads the row once for its logsumexp and the
-target's logit, pass 2 reads it again and writes the gradient. Pass 2 costs no DRAM read only if
-its row is still in L2, so what matters is how many rows are in flight: a 1024-thread program
-leaves room for at most two per SM, which keeps the rows in flight inside L2, while 8192-column
-blocks (8 bf16 = one 16-byte load a thread) still keep enough bytes in flight; programs of 4-8
-warps put more rows in flight than L2 holds. The hardware's block scheduler walks the rows in
-waves, so an explicit persistent loop adds nothing. L2 eviction hints (`hints`: evict_last on
-the first read, evict_first on the second read and the writes) keep the rows waiting for pass 2
-there.
-
-Kernel choices:
-- The exponential unit, not only memory, bounds this op. Each block is a [BLOCK // SUB, SUB]
-  tile and the online logsumexp keeps its running max and sum per SUB-element group (SUB = 8:
-  one thread's load), so the rescale exp(old max - new max) is paid once a group: 1.125
-  exponentials an element in pass 1, one in pass 2.
-- Runtime loops over the vocabulary: the code does not grow with V.
-- Row offsets are int64 (C * V exceeds 2^31 for larger chunks); vocabulary tails are masked; a
-  target outside [0, V) is not read and gives that row a NaN loss (a skipped step upstream).
-- Gradient: exp(x - lse) * scale, minus scale at the target, in fp32, rounded once at the store;
-  exp is the hardware's approximation, so results may differ from the torch chunk by one ulp of
-  the output dtype. Row losses go to a (C,) fp32 buffer summed by torch (no atomics).
-- No calls between @triton.jit functions: a tt.call makes torch's mutation analysis of user
-  kernels give up (Inductor would then clone every input, were this kernel ever traced).
+One program of 32 warps per row: pass 1 reads the row for its logsumexp and the target's logit,
+pass 2 reads it again and writes the gradient. Pass 2 reads from L2 only while few rows are in
+flight: 1024-thread programs allow at most two an SM, and L2 eviction hints (`hints`) keep the
+rows there between the passes.
+- The exponential unit bounds it too: the online logsumexp keeps its max and sum per SUB-element
+  group (one thread's load), so the rescale is paid once a group.
+- Runtime loops over the vocabulary; int64 row offsets; masked tails. A target outside [0, V) is
+  not read and gives its row a NaN loss (a skipped step upstream).
+- Gradient: exp(x - lse) * scale, minus scale at the target, in fp32, rounded once; exp is the
+  hardware's approximation (one ulp of the output dtype from the torch chunk). Row losses go to a
+  (C,) buffer summed by torch (no atomics).
+- No calls between jitted functions (torch's mutation analysis gives up on them: docs/design.md).
 Without Triton the module imports, `triton_available()` is False and the entry point raises.
 """
 

@@ -8,17 +8,12 @@ slot order_N[n] % K. `inverse_TK` (int64, (T, K)) is its inverse: inverse_TK.vie
     rows_ND = gather_routes(x_TD, order_N, inverse_TK)   # rows[n] = x[order[n] // K]
     out_TD = sum_routes(y_ND, order_N, inverse_TK)        # sum_k y[inverse[t, k]]
 
-Both carry both permutations so that each backward is the other op, a gather too (no scatter,
-no atomics): the gather's backward is grad_x[t] = sum_k grad_rows[inverse[t, k]], the sum's is
-grad_y[n] = g[order[n] // K]. The sum is the combine of rows the experts already weighted (the
-router weights go into the SwiGLU). Sums over K accumulate in float32 (at least), and come back
-in the rows' dtype.
-
-On CUDA with Triton installed the public functions run the Triton ops of `gather_triton` (no
-graph break under `torch.compile(fullgraph=True)`, near memory bandwidth); elsewhere they run the
-references, with the explicit backward formulas below (so both paths save the same tensors).
-The Triton ops walk tokens and need only `inverse_TK` (which must then be a permutation: rows no
-route maps to would be left unwritten); `order_N` is what the references use.
+Each backward is the other op, a gather too (no scatter, no atomics): the gather's is
+grad_x[t] = sum_k grad_rows[inverse[t, k]], the sum's grad_y[n] = g[order[n] // K]. The sum
+combines rows the experts already weighted. Sums over K accumulate in float32 (at least) and
+come back in the rows' dtype. On CUDA with Triton the public functions run `gather_triton`'s
+ops, which need only `inverse_TK` (then a full permutation: unmapped rows stay unwritten);
+elsewhere the references, with the same backward formulas and saved tensors.
 """
 
 from __future__ import annotations
@@ -102,9 +97,8 @@ def gather_routes(
 
 
 def sum_routes(y_ND: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:
-    """Each token's K expert results summed (fp32 accumulation, in y's dtype): the combine of rows
-    that the experts already weighted. Its backward copies each token's gradient to its K rows
-    and saves nothing but the permutations."""
+    """Each token's K expert results summed (fp32 accumulation, in y's dtype); the backward
+    saves only the permutations."""
     if _use_triton(y_ND):
         return gather_triton.sum_routes_triton(y_ND, inverse_TK)
     return _SumRoutesReference.apply(y_ND, order_N, inverse_TK)

@@ -4,30 +4,17 @@ Letters: T tokens, K top-k, N = T*K expert-ordered rows, D model dim. Token t's 
 row inverse_TK[t, k], a permutation of range(N) (semantics and plain-torch references:
 `moetrain.kernels.gather`).
 
-Two kernels, both walking tokens, cover the two ops and both backwards, because the forward of
-one op is the backward of the other:
-- `_sum_routes_kernel`: out[t] = sum_k src[inverse[t, k]], fp32 accumulation: the sum's forward
-  and the gather's backward.
-- `_spread_routes_kernel`: rows[inverse[t, k]] = src[t] for every k: the gather's forward and
-  the sum's backward (a plain copy).
-Walking tokens rather than rows reads each token's row (x, or the incoming gradient g) exactly
-once from memory and writes its K rows whole; the row-order formulation (rows[n] = x[order[n] //
-K]) re-reads every token row K times through L2. The writes land at rows inverse[t, k]: a
-permutation, so every output element is written by exactly one program, with no atomics and
-deterministic results.
+Two kernels cover both ops and both backwards (one op's forward is the other's backward):
+- `_sum_routes_kernel`: out[t] = sum_k src[inverse[t, k]] in fp32 (sum forward, gather backward);
+- `_spread_routes_kernel`: rows[inverse[t, k]] = src[t] for every k (gather forward, sum backward).
+Both walk tokens, so each token row is read once from memory (the row-order form re-reads it K
+times); the writes form a permutation: one writer per element, no atomics, deterministic. Each
+program takes BLOCK_R whole rows (wide vector accesses, int64 offsets); rows longer than BLOCK_D
+loop over a constexpr number of blocks (runtime bounds trip the interpreter).
 
-Each program takes BLOCK_R whole tokens: a row's columns are contiguous, so every load and store
-is a wide vector access; row offsets are int64 (N*D can exceed 2^31). Rows longer than BLOCK_D
-(> 4096) are walked in a constexpr number of blocks (runtime loop bounds trip the interpreter);
-the K loop is unrolled so that a token's K row accesses are in flight together.
-
-The ops go through `triton_op` + `wrap_triton`: `torch.compile(fullgraph=True)` traces them
-without a graph break (the op body doubles as the fake implementation) and hands the kernels to
-Inductor as user kernels; autograd is attached with `register_autograd`. Triton is imported
-guarded: without it this module still imports, `triton_available()` is False and no op is
-registered. Under TRITON_INTERPRET=1 (set before Triton is first imported) the ops run eagerly on
-CPU tensors through Triton's interpreter (their fake/compile path then cannot run: it would call
-the interpreted kernel on fake tensors).
+The ops are `triton_op` + `wrap_triton` (traced by `torch.compile(fullgraph=True)` without a graph
+break) with `register_autograd`. Without Triton nothing is registered. Under TRITON_INTERPRET=1
+the ops run eagerly on CPU tensors (their compile path cannot: it would interpret on fakes).
 """
 
 from __future__ import annotations
@@ -95,9 +82,7 @@ def _spread_routes_kernel(
 
 def launch_config(D: int, max_block_d: int = MAX_BLOCK_D, tile: int = 4096) -> dict:
     """The whole row in one block up to `max_block_d`, and enough tokens per program to fill a
-    tile of `tile` elements (4 at D = 1024, 2 at 2048, 1 from 4096; more for short rows, so that
-    a program still moves a useful amount). Four warps: on an H200 at D = 1024-2048 the choice of
-    1-4 tokens and 4-8 warps moved the times by a few percent at most."""
+    tile of `tile` elements; four warps."""
     block_d = min(triton.next_power_of_2(max(D, 1)), max_block_d)
     block_r = max(1, min(64, tile // block_d))
     return dict(

@@ -1,14 +1,10 @@
 """Launch tables of the multi-tensor Triton kernels (AdamW, sum of squares).
 
-A multi-tensor kernel covers a list of tensors in one launch: program c updates chunk c, i.e.
-`block` elements of tensor i starting at element `start`. The chunk table (c -> (i, start)) and
-the numels depend only on the numels and the block, so they are built once and cached on the
-device; the tensors' addresses change from step to step (gradients are new tensors) and are
-uploaded at each launch, asynchronously from pinned memory: no host sync.
-
-Under CUDA graph capture an upload becomes a graph node that re-reads its pinned source at every
-replay, so such sources are kept alive for the life of the process, and a table used by a capture
-is never evicted from the cache.
+Program c of a launch updates chunk c: `block` elements of tensor i from element `start`. The
+chunk table (c -> (i, start)) depends only on the numels and the block: built once, cached on the
+device. Addresses change every step (gradients are new tensors) and are uploaded at each launch
+from pinned memory, asynchronously: no host sync. A captured upload re-reads its pinned source at
+every CUDA-graph replay, so such sources live for the process and their tables are never evicted.
 """
 
 from __future__ import annotations

@@ -15,24 +15,17 @@ The backward rotates grad_y back (g_a = gy_a cos + gy_b sin, g_b = gy_b cos - gy
 the RMSNorm backward on g: grad_x = rstd * (gw - x_hat * mean(gw *
 x_hat)), gw = g * weight, x_hat = x * rstd; grad_weight = sum over rows of g * x_hat.
 
-The op reads q and k straight out of the projection's rows (row stride D + 2 kv) and returns q, k
-and v contiguous; the k launch copies v's rows on the way, so SDPA sees three dense tensors. Its
-backward writes the whole (M, D + 2 kv) gradient of the projection in its two launches (q's part,
-then k's and v's), so the one GEMM of the fused projection takes it with no `cat` in between.
+The op reads q and k straight out of the projection's rows and returns q, k and v contiguous
+(the k launch copies v's rows on the way); its backward writes the whole (M, D + 2 kv) gradient
+of the projection in two launches, so the fused projection's GEMM takes it with no `cat`. Unlike
+Inductor's path, q is not rounded to bf16 between norm and RoPE.
 
-The torch path (Inductor) rounds q to bf16 between norm and RoPE and splits each direction into
-several kernels. Each program here holds a 2-D tile of BLOCK_M rows x BLOCK_C pairs, whole rows
-up to MAX_D (TILE elements a tile, 16 a thread). The forward reads x once and writes y and the
-row's fp32 rstd; the backward reads grad_y and x once and writes grad_x, walking
-TILES_PER_PROGRAM tiles with an fp32 grad_weight accumulator that lands in row p of a (P, D)
-buffer the op sums (no atomics, deterministic). The tables are re-read per head from L1/L2, not
-from memory. A pair's columns are contiguous within a half head, so with H/2 a multiple of 8
-loads and stores are 16-byte vectors. Row offsets are int64; pair tails (C not a power of two)
-are masked.
-
-The kernels call no other jitted function (torch's mutation analysis of user kernels gives up on
-calls and would mark every argument as written). Autograd saves qkv, the weights, rstd and the
-tables, not q, k or v. Without Triton the module imports and registers nothing.
+Each program holds a tile of BLOCK_M whole rows (up to MAX_D) x BLOCK_C pairs. The forward reads
+x once and writes y and the fp32 rstd; the backward walks TILES_PER_PROGRAM tiles with an fp32
+grad_weight accumulator landing in row p of a (P, D) buffer the op sums (no atomics,
+deterministic). Int64 row offsets; masked pair tails. The kernels call no other jitted function
+(docs/design.md). Autograd saves qkv, the weights, rstd and the tables, not q, k or v. Without
+Triton the module imports and registers nothing.
 """
 
 from __future__ import annotations
@@ -47,9 +40,8 @@ from moetrain.kernels.triton_support import tl, triton
 from moetrain.kernels.triton_support import triton_available as triton_available
 
 MAX_D = 8192  # longest row one program holds in registers; longer rows take the torch path
-TILE = 2048  # elements of a tensor a program holds at once: 16 a thread, ~90 registers on sm_90
-# The backward: one row of D = 1024 a tile, eight programs of four warps an SM (faster than the
-# forward's tile at 16 warps an SM, partial sum included).
+TILE = 2048  # elements of a tensor a program holds at once: 16 a thread
+# The backward: one row of D = 1024 a tile, eight programs of four warps an SM.
 BACKWARD_TILE = 1024
 WARPS_PER_SM = 32
 _INTERPRETER_PROGRAMS = 2  # the interpreter runs programs in turn: two still test the partials

@@ -1,24 +1,16 @@
 """Triton row-scaled FP8 quantization kernels, bit-identical to the torch references in `quant`.
 
-Each kernel reads its input once and writes the FP8 elements and the scales once: amax, scale
-and cast are fused per row block along the last dim. (MXFP8 has no kernel: its recipe is an
-emulation on every GPU we have, whose speed does not matter.) Scaling
-along any other dim (e.g. per-column scales of a (e, K, N) weight, dim=-2) runs two kernels: a
-split amax with an integer atomic max (exact and order-independent, since non-negative floats
-order like their bit patterns), then the cast.
+Along the last dim, amax, scale and cast are fused: the input is read once. Along another dim
+(per-column scales of a weight) one kernel holds whole column blocks where that fills the GPU,
+else a split amax (an integer atomic max: exact in any order, as non-negative floats order like
+their bits) then the cast. MXFP8 has no kernel (an emulation on every GPU we have).
 
-Bit-exactness with the reference rests on three choices: every division is IEEE round-to-nearest
-(`tl.math.div_rn`; Triton's `/` on fp32 is approximate), the per-element op is a single multiply,
-and the fp32 -> e4m3 conversion rounds to nearest even. That conversion has two implementations,
-chosen by `software_cast`: the GPU's `cvt.rn.satfinite` through `.to(tl.float8e4nv)` (default on
-sm89+), or integer bit arithmetic that is exact everywhere (default under `TRITON_INTERPRET=1`,
-whose own fp8 cast does not round to nearest even, and on GPUs without an fp8 cast). The
-compiled kernels keep subnormal inputs (their PTX has no flush-to-zero); the interpreter flushes
-bf16 subnormals, so an all-tiny bf16 block can differ there.
-
-Triton is imported guarded: without it this module still imports, `triton_available()` is False
-and the entry points raise. To run the kernels on CPU tensors, set TRITON_INTERPRET=1 before
-Triton is first imported (Triton fixes the mode of its own library at import).
+Bit-exactness rests on IEEE round-to-nearest divisions (`tl.math.div_rn`; Triton's `/` is
+approximate), a single multiply per element, and an fp32 -> e4m3 conversion rounding to nearest
+even: the GPU's `cvt.rn.satfinite` (default on sm89+) or integer bit arithmetic (`software_cast`;
+default under TRITON_INTERPRET=1, whose fp8 cast does not round to nearest even). The interpreter
+flushes bf16 subnormals, so an all-tiny bf16 block can differ there. Without Triton the module
+imports, `triton_available()` is False and the entry points raise.
 """
 
 from __future__ import annotations
@@ -31,17 +23,14 @@ from moetrain.kernels.triton_support import jit as _jit
 from moetrain.kernels.triton_support import tl, triton
 from moetrain.kernels.triton_support import triton_available as triton_available
 
-# Per-column scaling runs one program a column block of a matrix when that gives at least this
-# many programs (two waves on an H100/H200's 132 SMs), columns are at most this long (a longer
-# block's second read comes from L2) and the matrices fit a CUDA grid's second dimension;
-# otherwise a split amax over row blocks and a cast.
+# Per-column scaling takes one program a column block of a matrix when that gives at least this
+# many programs (two waves of 132 SMs), columns are at most this long and the matrices fit a CUDA
+# grid's second dimension; otherwise a split amax over row blocks and a cast.
 COLUMN_PROGRAMS_MIN = 256
 COLUMN_ROWS_MAX = 16384
 _GRID_Y_MAX = 65535
-# The one-pass kernel's tile (rows x columns of a step down the columns; a tile of at least M
-# rows holds the whole column block in registers: one read) and warps: at M = 512-2048, 16
-# columns of all rows beat 64 x 64 tiles stepping down, and 4 warps with the column blocks of a
-# matrix launched side by side (grid (column block, matrix)) beat one matrix at a time.
+# The one-pass kernel's (rows, columns, warps); a tile of at least M rows holds the whole column
+# block in registers (one read).
 COLUMN_TILE = (2048, 16, 4)
 
 # Kernels may only read globals that are constexpr.
@@ -165,11 +154,9 @@ def _column_kernel(
     TRANSPOSED: tl.constexpr,
 ):
     """One scale per column of each (M, N) matrix of a contiguous (B, M, N) tensor, one program
-    a column block of one matrix. With one M block (BLOCK_M >= M) the block is loaded once and
-    held in registers for amax and cast; otherwise amax down the columns, then the cast, the
-    second read of the block mostly from L2 (one pass over HBM where the split kernels below
-    make two). q is (B, M, N), or (B, N, M) when TRANSPOSED."""
-    # grid (column block, matrix): a matrix's column blocks run side by side (faster, COLUMN_TILE)
+    a column block of one matrix (grid (column block, matrix)). With one M block the block stays
+    in registers for amax and cast; otherwise it is read twice, the second time mostly from L2.
+    q is (B, M, N), or (B, N, M) when TRANSPOSED."""
     batch = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -297,11 +284,9 @@ def quantize_fp8_rowwise_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `quant.quantize_fp8_rowwise`: same outputs, bit for bit, for any `dim`.
 
-    The last dim runs one fused kernel; any other dim (dim=0 of a matrix, dim=-2 of a (e, K, N)
-    weight for per-column scales) runs a split amax and a cast kernel. Non-contiguous inputs are
-    copied to contiguous first. `transposed=True` (dim must be -2) writes q in the layout of
-    `x.mT`, contiguous: the result equals `quantize_fp8_rowwise(x.mT, dim=-1)` without the bf16
-    transposed copy that would take.
+    Non-contiguous inputs are copied to contiguous first. `transposed=True` (dim must be -2)
+    writes q in the layout of `x.mT`, contiguous: `quantize_fp8_rowwise(x.mT, dim=-1)` without
+    the bf16 transposed copy.
     """
     _check_device(x)
     if software_cast is None:

@@ -8,11 +8,9 @@ optional row weights w_N (float32: the router weight of each expert row) scale t
     dup   = w grad * gate * s                                  # grad_h = [dgate | dup]
     dw    = sum_j grad * silu(gate) * up                       # per row
 
-Math in float32 (float64 for float64 inputs), rounded once to h's dtype; dw stays float32 (in
-the weights' dtype). On CUDA with Triton installed `swiglu` runs the Triton op of `swiglu_triton`
-(one pass over each (row, column) in both directions; no graph break under
-`torch.compile(fullgraph=True)`); elsewhere an autograd Function of the references. Both paths
-save h (and w) alone for the backward.
+Math in float32 (float64 for float64 inputs), rounded once to h's dtype; dw stays float32. On
+CUDA with Triton `swiglu` runs `swiglu_triton`'s op, elsewhere an autograd Function of the
+references; both save h (and w) alone for the backward.
 """
 
 from __future__ import annotations
@@ -94,9 +92,8 @@ def swiglu(h_N2F: torch.Tensor, w_N: torch.Tensor | None = None) -> torch.Tensor
 def swiglu_fp8(
     h_N2F: torch.Tensor, w_N: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale): the rows of `swiglu(h, w)`, rounded to h's dtype, in row-scaled FP8, equal to
-    `quant.quantize_fp8_rowwise(swiglu(h, w))`; the bf16 rows themselves are not written. One
-    Triton pass on a CUDA GPU (rows up to `swiglu_triton.MAX_QUANTIZED_F` wide), the references
+    """(q, scale) = `quant.quantize_fp8_rowwise(swiglu(h, w))` without writing the bf16 rows:
+    one Triton pass on CUDA (rows up to `swiglu_triton.MAX_QUANTIZED_F`), the references
     elsewhere. Not differentiable."""
     _check(h_N2F, w_N)
     if _fused_fp8(h_N2F):
@@ -107,10 +104,9 @@ def swiglu_fp8(
 def swiglu_fp8_backward(
     h_N2F: torch.Tensor, grad_NF: torch.Tensor, w_N: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(dh, q, scale, dw, out): the SwiGLU backward (`weighted_swiglu_backward_reference`), dh's
-    rows in row-scaled FP8 (equal to `quant.quantize_fp8_rowwise(dh)`) and the forward's output
-    computed again, bit for bit `swiglu(h, w)`, for a caller that did not keep it; dw is None
-    without row weights. One Triton pass on a CUDA GPU, the references elsewhere. Not
+    """(dh, q, scale, dw, out): the SwiGLU backward, (q, scale) = quantize_fp8_rowwise(dh), and
+    the forward's output again, bit for bit `swiglu(h, w)` (for a caller that did not keep it);
+    dw is None without row weights. One Triton pass on CUDA, the references elsewhere. Not
     differentiable."""
     _check(h_N2F, w_N)
     if _fused_fp8(h_N2F):

@@ -1,28 +1,18 @@
 """Triton kernels for the experts' SwiGLU, as `torch.library.triton_op`s (formulas and plain-torch
 references: `moetrain.kernels.swiglu`).
 
-h_N2F = [gate | up] on the last dim. The forward reads gate[n, j] and up[n, j] and writes
-out[n, j]; the backward reads gate, up and grad at (n, j) and writes dgate and dup there: each
-element is touched once, in fp32, rounded once at the store. Inductor's backward of
-`silu(gate) * up` instead writes the (N, 2F) gradient as a `cat` whose every element re-loads
-inputs of both halves.
+h_N2F = [gate | up] on the last dim. Forward and backward touch each (n, j) once, in fp32,
+rounded once at the store (Inductor's backward writes the (N, 2F) gradient as a `cat` that
+re-loads both halves for every element). Optional fp32 row weights w_N (the router weights,
+which GroupedExperts applies here rather than after the linear down projection) scale each output
+row; the backward also returns dw[n], a row sum of values it already holds.
 
-Optional float32 row weights w_N (the router weights of the rows, which GroupedExperts applies
-here rather than after the down projection: exact, since that projection is linear) scale each
-output row; the backward then scales grad by w[n] and also returns dw[n] = sum_j grad[n, j] *
-silu(gate) * up, a row sum of values it already holds: 4 bytes a row more, no extra pass.
-
-Each program takes a 2-D tile of BLOCK_N rows x BLOCK_F columns (the whole row up to 512
-columns, 4096 elements per tile, four warps): columns are contiguous, so with F and the row
-strides multiples of 16 (Triton specializes on it) every load and store is a 16-byte vector
-access, and no per-element division by F is needed to find a row (as a flat 1-D index over N*F
-would). Column tails (F not a multiple of BLOCK_F) are masked; row offsets are int64 (N*2F can
-exceed 2^31). Rows wider than a block give each column block's part of dw, which the op sums.
-exp and the division are CUDA's fast approximations (a few fp32
-ulps), so results can differ from the references by one ulp of the output dtype. Registered like
-`gather_triton`: `triton_op` + `wrap_triton`, so `torch.compile(fullgraph=True)` traces the ops
-without a graph break; autograd through `register_autograd`, saving h (and w) alone. Without
-Triton the module imports and registers nothing.
+Each program takes a tile of BLOCK_N rows x BLOCK_F columns (whole rows up to MAX_BLOCK_F):
+contiguous columns give 16-byte vector accesses without a per-element division by F. Masked
+column tails, int64 row offsets; wider rows give each column block's part of dw, which the op
+sums. exp and the division are CUDA's fast approximations (one ulp of the output dtype from the
+references). Registered like `gather_triton` (`triton_op` + `wrap_triton`, `register_autograd`,
+saving h and w alone); without Triton nothing is registered.
 """
 
 from __future__ import annotations
@@ -79,13 +69,10 @@ def _swiglu_backward_kernel(
     EVEN_F: tl.constexpr, QUANTIZE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     STORE_OUT: tl.constexpr = False,
 ):  # fmt: skip
-    """dh[n, j] = dgate, dh[n, F + j] = dup of (gate, up, grad) at (n, j), on one tile. With
-    weights the incoming grad is scaled by w[n] first, and the tile's part of dw[n] = sum_j
-    grad[n, j] * silu(gate) * up lands in dw[n, program_id(1)] (fp32; the op sums the column
-    blocks). QUANTIZE (whole rows a tile) also writes the (N, 2F) rows of dh, as rounded, in
-    row-scaled FP8 (q, one scale a row over both halves). STORE_OUT also writes the forward's
-    output out[n, j] again, the bits the forward kernel computes (the same expression), so a
-    caller need not keep it from forward to backward."""
+    """dh[n, j] = dgate, dh[n, F + j] = dup on one tile. With weights grad is scaled by w[n]
+    first and the tile's part of dw[n] lands in dw[n, program_id(1)] (fp32; the op sums them).
+    QUANTIZE (whole rows a tile) also writes dh's rows in row-scaled FP8 (one scale a row over
+    both halves). STORE_OUT also writes the forward's output again, the forward kernel's bits."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = rows[:, None] < N if EVEN_F else (rows[:, None] < N) & (cols[None, :] < F)
@@ -140,9 +127,7 @@ def _grid(N: int, F: int, cfg: dict) -> tuple[int, int]:
 def quantizing_config(F: int, tile: int = 2048, num_warps: int = 4) -> dict:
     """Whole rows a tile (fused FP8 quantization needs each row's amax): up to
     `MAX_QUANTIZED_F` columns, rows to fill `tile` elements. The backward keeps dgate and dup
-    live until the row's amax is known and takes tiles of 1024 (`BACKWARD_QUANTIZING_TILE`).
-    On the H200 at N = 131,072 and F = 512 and 1024 the forward was fastest at 2048 elements and
-    four warps, the backward at 1024 and four."""
+    live until the row's amax is known and takes `BACKWARD_QUANTIZING_TILE`."""
     if F > MAX_QUANTIZED_F:
         raise ValueError(f"fused FP8 quantization takes rows of at most {MAX_QUANTIZED_F}, got {F}")
     block_f = triton.next_power_of_2(max(F, 1))

@@ -1,17 +1,12 @@
 """The router's expert choice: top-k experts per token and routes per expert, in one Triton pass.
 
 Letters: T tokens, E experts, K top-k. `route_topk(scores_TE, k)` returns `ids_TK` (int64, each
-token's K highest-scoring experts, highest first, as `torch.topk`) and `counts_E` (int64, how
-many of the T*K routes chose each expert). The reference is `torch.topk` plus a scatter-add,
-which take a sort and a contended scatter-add for a few MB of input. Here each program holds
-BLOCK_T whole rows of scores, takes K arg-maxes (masking each winner), and adds its own
-per-expert tally to the counts with one atomic per expert; integer atomics are exact in any
-order, so the counts are deterministic. Ties go to the lower expert index (torch's order for
-ties is unspecified).
-
-On CUDA with Triton the op is `moetrain::route_topk` (`torch.library.triton_op`: traced by
-`torch.compile(fullgraph=True)` without a graph break); elsewhere the reference runs. Neither
-output has a gradient (the router's weights are gathered from the scores afterwards, in torch).
+token's K highest-scoring experts, highest first, as `torch.topk`) and `counts_E` (int64, routes
+per expert). Each program holds BLOCK_T whole rows, takes K arg-maxes (masking each winner) and
+adds its per-expert tally with one integer atomic per expert (exact in any order:
+deterministic). Ties go to the lower expert index. On CUDA with Triton the op is
+`moetrain::route_topk` (a `triton_op`); elsewhere the reference (`torch.topk` and a
+scatter-add). No gradient: the router gathers its weights from the scores afterwards.
 """
 
 from __future__ import annotations
@@ -82,7 +77,7 @@ if triton is not None:
 
 
 def route_topk(scores_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids_TK, counts_E) as described above; `scores_TE` is detached first (no gradient)."""
+    """(ids_TK, counts_E) of the module docstring; `scores_TE` is detached first."""
     T, E = scores_TE.shape
     if not 1 <= k <= E:
         raise ValueError(f"route_topk: k must be in [1, {E}], got {k}")

@@ -36,13 +36,9 @@ def interpreting() -> bool:
 
 
 def loop_bound(n: int):
-    """`n` for a kernel argument that bounds a runtime loop (`tl.range(0, n, ...)`).
-
-    On the GPU this is `n` itself. Triton 3.6's interpreter wraps an int argument in a
-    1-element numpy array and its `range` calls int() on it, which numpy 2.4 refuses
-    ("only 0-dimensional arrays can be converted to Python scalars"; triton-lang/triton#9171,
-    fixed after 3.6). Under the interpreter, the argument is therefore passed as a 0-d int32
-    interpreter tensor, which the interpreter takes as it is and int() accepts."""
+    """`n` for a kernel argument that bounds a runtime loop (`tl.range(0, n, ...)`): `n` on the
+    GPU; under Triton 3.6's interpreter a 0-d int32 interpreter tensor, since it wraps an int in
+    a 1-element numpy array that numpy 2.4's int() refuses (triton-lang/triton#9171)."""
     if not interpreting() or not -(2**31) <= n < 2**31:
         return n
     try:
