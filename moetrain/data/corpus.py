@@ -1,13 +1,10 @@
 """The embedded default corpus: English and Python text that every Python installation carries.
 
-With no data path configured, training uses the interactive help topics of
-`pydoc_data.topics` and the source files (code, comments and docstrings) of a fixed list of
-pure-Python standard-library modules, about 8 MB of text, found on disk and never downloaded.
-Invariants: `embedded_documents()` is deterministic for a given installation (sorted topics, a
-sorted module list, sorted files inside packages; modules that are missing, frozen or built in
-are skipped); the token directory is built once per (builder version, tokenizer, val_fraction,
-Python version, source file list) under `cache_dir()`, atomically, so concurrent builders or a
-crash never leave a half-built directory and later calls reuse it.
+With no data path configured, training uses `pydoc_data.topics` and the source files of a fixed
+list of pure-Python standard-library modules (about 8 MB, never downloaded). Invariants:
+`embedded_documents()` is deterministic for a given installation (everything sorted; missing,
+frozen or built-in modules skipped); the token directory is built once per (builder version,
+tokenizer, val_fraction, Python version, source file list) under `cache_dir()`, atomically.
 """
 
 from __future__ import annotations
@@ -110,11 +107,8 @@ def embedded_corpus(tokenizer: str = "byte", val_fraction: float = 0.05) -> Path
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
-    """Entropy in nats per token of the empirical unigram distribution of `tokens`.
-
-    A model that has learned nothing beyond token frequencies reaches this loss; a lower
-    validation loss shows it uses context.
-    """
+    """Entropy in nats per token of the empirical unigram distribution of `tokens`: the loss of
+    a model that knows only token frequencies."""
     tokens = np.asarray(tokens).ravel()
     if tokens.size == 0:
         raise ValueError("unigram_entropy needs at least one token, got an empty array")

@@ -1,14 +1,11 @@
 """Held-out sequences that evaluations score: the validation set and the evaluation sets.
 
-A validation set is a fixed list of windows of a token stream (window i: the seq_len + 1 tokens
-from token i * seq_len, as the loader cuts them): `heldout_windows` spreads `count` of them evenly
-over the stream, so the set depends only on the tokens, seq_len and `train.eval_sequences`,
-never on the step, a resume or the layout. `WindowRows` serves them as rows of
-(inputs, targets); rows are what `moetrain.train.evaluate` scores, a language-modelling window
-here and a (context, choice) pair of a multiple-choice task in `moetrain.data.tasks`. A target
-of `IGNORE` is not scored. `open_eval_set` opens a `data.eval_sets` directory (both splits are
-evaluation data) after checking that it speaks the run's vocabulary and is not what the run
-trains on.
+A validation set is `count` windows of a token stream (window i: the seq_len + 1 tokens from
+token i * seq_len) spread evenly by `heldout_windows`: it depends only on the tokens, seq_len and
+`train.eval_sequences`, never on the step, a resume or the layout. `WindowRows` serves them as
+(inputs, targets) rows, what `train.evaluate` scores (data/tasks.py makes rows of multiple-choice
+items); a target of `IGNORE` is not scored. `open_eval_set` opens a `data.eval_sets` directory
+after checking that it speaks the run's vocabulary and is not what the run trains on.
 """
 
 from __future__ import annotations

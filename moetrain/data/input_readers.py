@@ -1,16 +1,13 @@
 """The documents in `moetrain prepare`'s sources (`moetrain.data.inputs`), one text at a time.
 
-A ``.txt`` file is one document, or, as `ReadOptions.split_text` says, one per paragraph
-(text between blank lines) or per line; JSON lines (``.jsonl``, ``.json``, optionally ``.gz``
-or ``.zst`` compressed) hold one document per line in a string field; ``.parquet`` files and
-Hugging Face datasets hold one per row in a string column. Blank lines and empty texts are
-skipped, and so are empty text files (the caller counts them). A bad record (a line that is not
-a JSON object with a string text field, a non-string row, text that is not UTF-8) goes to
-`BadRecords`: a one-line `ValueError` naming the file and its line (or row), or, with
-``on_bad_record="skip"``, counted, the first few named. With ``replace_bad_bytes`` bytes that
-are not UTF-8 are read as U+FFFD instead. A damaged file (a compressed stream cut short, a
-Parquet file that does not open) is always an error. The parts of a source read in order yield
-exactly its documents, with the same line and row numbers in messages.
+A ``.txt`` file is one document, or one per paragraph or line (`ReadOptions.split_text`); JSON
+lines (``.jsonl``, ``.json``, optionally ``.gz`` or ``.zst``) one per line in a string field;
+``.parquet`` files and Hugging Face datasets one per row in a string column. Blank lines, empty
+texts and empty text files are skipped. A bad record (not a JSON object with a string text
+field, a non-string row, non-UTF-8 text) goes to `BadRecords`: a `ValueError` naming the file and
+line (or row), or with ``on_bad_record="skip"`` counted; ``replace_bad_bytes`` reads non-UTF-8
+bytes as U+FFFD. A damaged file is always an error. A source's parts read in order yield exactly
+its documents, with the same line and row numbers in messages.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """What `moetrain prepare` reads: its inputs as sources, in a fixed order, and their parts.
 
-Inputs are files, directories and glob patterns; `expand_inputs` turns them into a sorted list
-of sources (a directory is searched recursively for files of a known type, plain ``.json``
-excepted, and for Hugging Face datasets saved with `save_to_disk`, each one source);
-`load_named_dataset` adds a Hugging Face dataset by name. `split_source` cuts a large source
-into `Part`s that are read on their own (plain JSON lines at line starts, Parquet at row groups,
-datasets at rows; compressed and .txt files stay whole); `moetrain.data.input_readers` reads the
-documents of a source or a part. The compressed and columnar formats need optional packages (the
-`data` extra); a missing one is an error naming the extra.
+`expand_inputs` turns files, directories (searched recursively for known file types, plain
+``.json`` excepted, and saved Hugging Face datasets) and glob patterns into a sorted list of
+sources; `load_named_dataset` adds a dataset by name. `split_source` cuts a large source into
+`Part`s read on their own (JSON lines at line starts, Parquet at row groups, datasets at rows;
+compressed and .txt files stay whole); data/input_readers.py reads them. Compressed and
+columnar formats need the `data` extra; a missing package is an error naming it.
 """
 
 from __future__ import annotations

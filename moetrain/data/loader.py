@@ -1,20 +1,15 @@
 """Batches of fixed-length token sequences for training and evaluation, resumable and rank-aware.
 
-`SequenceLoader` cuts a flat token stream into non-overlapping windows of seq_len + 1 tokens
-(window i starts at token i * seq_len, so consecutive windows share one token and every token
-but the first is a target exactly once per epoch). Epoch e visits the windows in a permutation
-drawn from a numpy Generator seeded by (seed, e); a global batch is world_size * batch_size
-consecutive windows of it and rank r takes the r-th slice, so the ranks' batches are disjoint
-and together equal what one process with the whole global batch would read. An epoch's trailing
-partial global batch is dropped. The state is (epoch, index of the next global batch): plain
-ints that do not depend on the rank, and resuming from it yields bitwise the same batches.
-`RandomTokenLoader` produces uniform random ids for benchmarks, with the same interface.
-`open_data` turns a `DataConfig` into validated train/val token arrays and their tokenizer;
-`data_fingerprint` names their content, and `check_same_data` compares it with a checkpoint's;
-`resolve_vocab_size` takes an unset model.vocab_size from the tokenizer, `resolve_eos_id` the
-EOS id that document masking separates documents by. With `data.sources`
-(a mix, moetrain.data.mix) `open_data` returns one array per source and every source must have
-been prepared with the same tokenizer.
+`SequenceLoader` cuts a flat token stream into windows of seq_len + 1 tokens (window i starts at
+token i * seq_len: every token but the first is a target once per epoch). Epoch e visits the
+windows in a permutation seeded by (seed, e); a global batch is world_size * batch_size
+consecutive windows of it, rank r taking the r-th slice, so the ranks together read what one
+process would. An epoch's trailing partial global batch is dropped. The state is plain ints
+independent of the rank, and a resume yields bitwise the same batches. `RandomTokenLoader`:
+uniform random ids for benchmarks, same interface. `open_data` turns a `DataConfig` into
+validated token arrays (one per source for a mix) and their tokenizer; `data_fingerprint` and
+`check_same_data` tie a resume to its data; `resolve_vocab_size` and `resolve_eos_id` fill
+config fields from the tokenizer.
 """
 
 from __future__ import annotations
@@ -154,11 +149,8 @@ class SequenceLoader:
 
 
 class RandomTokenLoader:
-    """Uniform random token ids, generated on `device` (benchmarks: no data reading at all).
-
-    Batch n is drawn from a generator seeded by (seed, rank, n), so resuming after n batches
-    costs nothing and reproduces the stream exactly.
-    """
+    """Uniform random token ids generated on `device` (benchmarks). Batch n is drawn from a
+    generator seeded by (seed, rank, n): a resume reproduces the stream at no cost."""
 
     def __init__(
         self,
@@ -212,12 +204,10 @@ def open_data(
 ) -> tuple[Any, Any, ByteTokenizer | HFTokenizer | None]:
     """(train tokens, val tokens, tokenizer) for a run; every id is checked to be < vocab_size.
 
-    `cfg.path` None means the embedded corpus, tokenized with `cfg.tokenizer`. A prepared
-    directory brings its own tokenizer: `cfg.tokenizer` may stay "byte" (the default) or name the
-    same tokenizer; any other value is an error rather than silently mismatched ids.
-    A pre-tokenized corpus has no tokenizer (None). With `cfg.sources` the train and val tokens
-    are lists with one array per source, in order.
-    `cfg.random_tokens` is not looked at here: the caller builds a `RandomTokenLoader` instead.
+    `cfg.path` None: the embedded corpus, tokenized with `cfg.tokenizer`. A prepared directory
+    brings its own tokenizer: `cfg.tokenizer` may stay "byte" or name the same one; anything else
+    is an error. A pre-tokenized corpus has none (None). With `cfg.sources`: lists, one array per
+    source. `cfg.random_tokens` is the caller's business (a `RandomTokenLoader`).
     """
     if cfg.sources:
         check_same_vocabulary(cfg)
@@ -285,10 +275,8 @@ def vocabulary(data_dir: str, meta: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def resolve_vocab_size(config: RunConfig) -> RunConfig:
-    """`config` with model.vocab_size set: kept when given, else the size of the run's tokenizer
-    (that of the token directory or directories, or data.tokenizer for the embedded corpus)
-    rounded up to a multiple of 64, the granularity at which the embedding and output GEMMs run
-    fast."""
+    """`config` with model.vocab_size set: kept when given, else the run's tokenizer's size
+    rounded up to a multiple of 64 (where the embedding and output GEMMs run fast)."""
     if config.model.vocab_size is not None:
         return config
     if config.data.random_tokens:
@@ -385,9 +373,8 @@ def _tokenizer_file(spec: str) -> Path:
 
 
 def resolve_data_paths(config: RunConfig) -> RunConfig:
-    """`config` with data.path, the paths of data.sources and a data.tokenizer file made
-    absolute (against the working directory), so that the run's config.yaml and checkpoints
-    find the data from anywhere (`moetrain eval` from another directory, a moved job script)."""
+    """`config` with data.path, data.sources' paths and a data.tokenizer file made absolute, so
+    the run's config.yaml and checkpoints find the data from any working directory."""
     d = config.data
     absolute = lambda p: str(Path(p).expanduser().absolute())  # noqa: E731
     data = dataclasses.replace(

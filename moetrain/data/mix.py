@@ -1,15 +1,12 @@
 """A weighted mix of token directories (`data.sources`): which source each sequence comes from.
 
-The sequences of the run are numbered globally (g = 0, 1, ...; a global batch is world_size x
-batch_size consecutive ones, rank r taking the r-th slice as in `SequenceLoader`). Sequence g is
-drawn from the source with the largest deficit w_s * (g + 1) - n_s, where n_s counts the
-sequences source s has given so far (ties: the first such source). This deterministic schedule
-keeps every n_s within one sequence of w_s * g at all times, so the realized fractions equal the
-weights over any stretch of the run, and it needs no random numbers: the counts are the state.
-Each source reads its own windows of seq_len + 1 tokens in a permutation seeded by
-(seed, source index, epoch), and starts its next epoch on its own when its windows run out.
-The state is each source's (epoch, windows consumed in the epoch): plain ints that depend on
-neither the rank nor the batch size, so a resume yields bitwise the same batches.
+The run's sequences are numbered globally (g = 0, 1, ...; ranks slice global batches as in
+`SequenceLoader`). Sequence g comes from the source with the largest deficit w_s * (g + 1) - n_s
+(n_s: sequences source s gave so far; ties: the first). This deterministic schedule keeps every
+n_s within one sequence of w_s * g, so the fractions equal the weights over any stretch of the
+run. Each source reads its own windows in a permutation seeded by (seed, source index, epoch) and
+starts its next epoch on its own. The state is each source's (epoch, windows consumed): plain
+ints independent of rank and batch size, so a resume yields bitwise the same batches.
 """
 
 from __future__ import annotations

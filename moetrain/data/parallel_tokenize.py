@@ -1,19 +1,15 @@
 """Tokenizing `prepare`'s sources in worker processes, into a work directory that survives a kill.
 
-`plan_units` cuts the sources into units (a source, or one `Part` of a large one, about
-`UNIT_BYTES` of input each). `tokenize_units` tokenizes each unit on its own: in a spawn pool of
-worker processes, each of which rebuilds the tokenizer from its file, or in this process for one
-worker. A finished unit is three files in the work directory (`work_dir_of(out)`): its tokens
-(raw, in the token directory's dtype, no EOS), its document lengths (int64) and a JSON record,
-written last and renamed into place, so a unit counts as done only when it is complete. A
-unit's name hashes its source's identity (the paths, sizes and modification times of its files)
-and its part; the directory records what else tokens depend on (the tokenizer's file, the text
-field, how text files split, whether bad bytes are replaced). A re-run therefore keeps every finished unit whose input is unchanged and redoes the
-rest, whatever the number of workers; a work directory of other settings is emptied and started over (its units could never be used, and it holds nothing the user made).
-`WorkDir.documents` yields a unit's documents back, so the units in plan order give exactly the
-documents, order and tokens of one sequential read: the token directory does not depend on the
-number of workers, the unit size, or where a run was interrupted. One prepare at a time holds a
-work directory (an advisory lock).
+`plan_units` cuts the sources into units (a source, or a `Part` of a large one, about
+`UNIT_BYTES` of input each); `tokenize_units` tokenizes them in a spawn pool (or in this process
+for one worker). A finished unit is three files in the work directory (`work_dir_of(out)`): raw
+tokens (no EOS), int64 document lengths, and a JSON record renamed into place last, so a unit is
+done only when complete. A unit's name hashes its source's identity and its part; the directory
+records what else tokens depend on (`work_settings`). A re-run keeps every finished unit whose
+input is unchanged, whatever the number of workers; a work directory of other settings is
+emptied. The units in plan order give exactly the documents of one sequential read, so the
+token directory does not depend on workers, unit size or interruptions. One prepare at a time
+holds a work directory (an advisory lock).
 """
 
 from __future__ import annotations
@@ -299,9 +295,8 @@ def _write_arrays(tokens_f: Any, lengths_f: Any, pending: list[np.ndarray]) -> N
 
 
 def default_workers(units: list[Unit]) -> int:
-    """One per core, but no more than the units to do, nor than one per `UNIT_BYTES` of them:
-    starting a worker costs about half a second (imports, loading the tokenizer), the time of
-    a MB or two of tokenizing."""
+    """One per core, but no more than the units to do, nor than one per `UNIT_BYTES` of them
+    (starting a worker costs about as much as tokenizing a MB or two)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     by_bytes = sum(u.part.num_bytes for u in units) // UNIT_BYTES
     return max(1, min(cores or 1, len(units), by_bytes))

@@ -1,14 +1,11 @@
 """`moetrain prepare` of text: documents from files and datasets into a token directory.
 
-Three steps. Plan: the inputs become sources (`inputs.expand_inputs`) and the sources units of
-work (`parallel_tokenize.plan_units`). Tokenize: worker processes tokenize the units into the work
-directory ``<out>.partial`` next to the output, which a killed or failed run leaves behind with
-its finished units, so that the same command resumes. Assemble: the units' documents, in input
-order, are split into train and val by `tokens.split_documents` and written as a token directory,
-atomically (`tokens.write_token_dir`); then the work directory is removed. The token directory is
-bitwise the same for any number of workers and any interruptions. A prepare of the same output
-killed while it installed the directory left a ``.<out>.tmp-*`` sibling: the next one, holding
-the work directory's lock, removes it.
+Plan: inputs become sources (`inputs.expand_inputs`), sources units (`plan_units`). Tokenize:
+workers fill the work directory ``<out>.partial``, which a killed run leaves behind so the same
+command resumes. Assemble: the units' documents, in input order, are split by
+`tokens.split_documents` and written atomically as a token directory; the work directory is
+removed. The result is bitwise the same for any number of workers and interruptions. A
+``.<out>.tmp-*`` sibling left by a kill during install is removed by the next prepare.
 """
 
 from __future__ import annotations
@@ -51,20 +48,13 @@ def prepare(
     on_bad_record: str = "error",
     replace_bad_bytes: bool = False,
 ) -> Path:
-    """Tokenize text into a token directory at `out_dir` (see `moetrain.data.tokens`).
+    """Tokenize text into a token directory at `out_dir` (data/tokens.py).
 
-    `inputs` are files, directories or glob patterns (`inputs.expand_inputs`), and datasets
-    loaded by `inputs.load_named_dataset`. A ``.txt`` file is one document (a book or an article
-    keeps its long-range context), or one per paragraph or line (`split_text`); JSON lines
-    (plain, ``.gz`` or ``.zst``), Parquet files and Hugging Face datasets hold one document per
-    line or row, in their string `text_field` (blank lines, empty texts and empty text files
-    are skipped). `on_bad_record` ("error" or "skip") and `replace_bad_bytes` say what a bad
-    record and non-UTF-8 bytes do (`input_readers`); meta.json records how many records were
-    skipped. Documents are held out for val by `split_documents`, in input order. `workers`
-    processes tokenize (default: one per core, as the work allows; 1 = in this process), in
-    units of about `unit_bytes` of input. An existing token directory at `out_dir` is replaced
-    only with `overwrite` (the runs trained on it would no longer resume); other non-empty
-    directories are never replaced.
+    `inputs`: files, directories, glob patterns and named datasets, read as data/inputs.py and
+    data/input_readers.py say (`split_text`, `text_field`, `on_bad_record`, `replace_bad_bytes`;
+    meta.json records how many records were skipped). `workers` processes (default
+    `default_workers`; 1 = in this process) tokenize units of about `unit_bytes`. An existing
+    token directory is replaced only with `overwrite`; other non-empty directories never.
     """
     out = Path(out_dir)
     check_not_prepared(out, overwrite)

@@ -1,18 +1,14 @@
 """Pre-tokenized corpora: token directories whose tokens stay in the user's own files.
 
-OLMo-core, Dolma-derived and Megatron-style corpora are flat arrays of token ids, uint16 or
-uint32, documents separated by a known EOS id, stored as headerless memory maps (``.npy`` or
-``.bin`` names; OLMo-core's ``.npy`` files carry no header) or as real ``.npy`` arrays.
-`prepare_pretokenized` checks such files once (every id below the stated vocabulary; on a sample
-of each file, that the ids look like the stated dtype and the EOS id gives documents of a
-plausible length, so that uint32 ids read as uint16 or a wrong EOS id are an error naming the
-likely fix) and writes a token directory holding only ``meta.json`` (and the tokenizer's
-``tokenizer.json`` when one is named): the files (absolute path, byte offset of the first token,
-token count, SHA-256 of the token bytes, modification time), vocabulary size, EOS id, dtype, and
-per-split token and document counts. The tokens are never copied. The files, in
-sorted order, form one stream; train is its head and val its tail from a document boundary near
-(1 - val_fraction) of the tokens. `moetrain.data.sharded_tokens` memory-maps the files back.
-The directory is written atomically like any token directory.
+OLMo-core, Dolma-derived and Megatron-style corpora are flat uint16 or uint32 token arrays,
+documents separated by an EOS id, as headerless memory maps (``.npy`` or ``.bin``) or real
+``.npy`` arrays. `prepare_pretokenized` checks the files once (every id below the vocabulary; on
+a sample, that dtype and EOS id look right, else an error naming the likely fix) and atomically
+writes a token directory holding only ``meta.json`` (and a named tokenizer's file): each file's
+absolute path, first token's byte offset, token count, SHA-256 and modification time, and the
+usual vocabulary and split fields. The tokens are never copied: the sorted files form one
+stream, train its head and val its tail from a document boundary near (1 - val_fraction).
+data/sharded_tokens.py maps them back.
 """
 
 from __future__ import annotations
@@ -191,12 +187,9 @@ def prepare_pretokenized(
     tokenizer: str | None = None,
 ) -> Path:
     """Index existing token files as a token directory at `out_dir`, without copying them.
-
-    `tokenizer` (optional: "byte" or a Hugging Face tokenizer.json) is the one the files were
-    made with; it must have this vocabulary size and EOS id, and it is recorded (and copied) so
-    that checkpoints carry it and `moetrain generate` can decode. Without it the corpus trains
-    and evaluates, but nothing can turn ids back into text.
-    """
+    `tokenizer` (optional: "byte" or a tokenizer.json) is the one the files were made with, of
+    this vocabulary size and EOS id; it is recorded so checkpoints carry it (without one, nothing
+    can decode the ids)."""
     out = Path(out_dir)
     check_not_prepared(out, overwrite)
     if dtype not in DTYPES:

@@ -1,10 +1,8 @@
 """The progress of a `prepare`: input bytes (and their rate), documents and tokens.
 
-On a terminal a live rich bar shows them; elsewhere (a log file, a batch job) nothing is drawn
-while the work runs, and one summary line is printed at the end. Counts arrive in batches from
-the tokenizing workers; `finish` takes the exact totals from the units' records, since the last
-batches of a worker may still be in flight. Tokens are counted as the token directory holds
-them: each document's, plus the EOS that ends it.
+On a terminal a live rich bar; elsewhere one summary line at the end. Counts arrive in batches
+from the workers; `finish` takes the exact totals from the units' records. Tokens count as the
+token directory holds them (each document's plus its EOS).
 """
 
 from __future__ import annotations

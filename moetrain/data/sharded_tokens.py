@@ -1,12 +1,10 @@
 """The token files a pre-tokenized directory indexes (`moetrain.data.pretokenized`), read back in
 place: memory-mapped, never copied.
 
-`open_indexed_split` maps one split's slice of the files listed in meta.json: one array when
-the split lies in one file, else a `ShardedTokens` view that gathers across files. A file whose
-size changed since prepare is a `ValueError`, and so is one whose modification time changed and
-whose tokens no longer hash to the recorded SHA-256 (rewritten in place; a file only touched or
-copied is hashed again at every start, until prepared again); a model vocabulary smaller than the corpus's is
-one too.
+`open_indexed_split` maps one split's slice of the files meta.json lists: one array, or a
+`ShardedTokens` view across files. A `ValueError`: a file whose size changed since prepare, or
+whose modification time changed and whose tokens no longer hash to the recorded SHA-256 (a file
+only touched is hashed at every start); a model vocabulary smaller than the corpus's.
 """
 
 from __future__ import annotations
@@ -21,11 +19,8 @@ import numpy as np
 
 
 class ShardedTokens:
-    """A read-only 1-D array of tokens that lie in several arrays end to end, never copied.
-
-    It offers what `SequenceLoader` and the checks use: ``len``, ``ndim``, ``shape``, ``dtype``,
-    ``max()``, slices, and gathers with integer index arrays of any shape.
-    """
+    """A read-only 1-D array of tokens lying in several arrays end to end, never copied: ``len``,
+    ``ndim``, ``shape``, ``dtype``, ``max()``, slices and integer-array gathers of any shape."""
 
     ndim = 1
 

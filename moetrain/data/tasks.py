@@ -1,19 +1,13 @@
 """Multiple-choice tasks for downstream evaluation: read, build in, and cut into scoring rows.
 
-A task is a list of items, each a context, two or more choices and the index of the right one.
-The model picks the choice it gives the highest log-likelihood after the context (accuracy,
-lm-evaluation-harness's `acc`), or the highest log-likelihood per character of the choice
-(`acc_norm`); `moetrain.train.evaluate` scores them. A user's task is a JSON-lines file, one item
-a line: {"context": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0};
-its name is the file's stem. The context and each choice are tokenized separately and joined
-(so write a choice with the space that separates it from the context), after the tokenizer's
-EOS, which starts every document in training. A row that exceeds seq_len loses context from
-the left; a choice longer than seq_len tokens is an error.
-
-Built in: `continuation`, made from the documents the embedded corpus holds out as its val
-split (at the default data.val_fraction): pick the true continuation of a passage among spans
-taken from other documents, 4 choices, 200 items, the same on every installation of a Python
-version. It runs offline.
+An item is a context, two or more choices and the right one's index; the model picks the choice
+of highest log-likelihood after the context (`acc`) or per character (`acc_norm`), scored by
+train/evaluate.py. A user's task is a JSON-lines file named by its stem, one item a line:
+{"context": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0}. Context
+and choice are tokenized separately and joined after the tokenizer's EOS (so a choice carries
+its leading space). A row over seq_len loses context from the left; a choice over seq_len
+tokens is an error. Built in: `continuation` (offline, from the embedded corpus's held-out
+documents): the true continuation of a passage among 4 spans, 200 items.
 """
 
 from __future__ import annotations

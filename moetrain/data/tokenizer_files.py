@@ -1,14 +1,12 @@
 """The files a tokenizer travels as, so checkpoints and exports decode without the run's data.
 
-Every checkpoint and every Hugging Face export carries `tokenizer.json` and
-`tokenizer_config.json` (plus `special_tokens_map.json` when the run's tokenizer had one), and a
-checkpoint's trainer.json records `describe(tokenizer)`. For a Hugging Face tokenizer they are its
-own files. For the byte tokenizer `byte_tokenizer_json` writes an equivalent `tokenizer.json`:
-a BPE model without merges over the 256 byte symbols of the ByteLevel pre-tokenizer, with the
-symbol of byte b at id b, and the end-of-document token at 256. `transformers.AutoTokenizer`
-loads it, and it encodes every text to exactly `ByteTokenizer`'s ids (no special tokens added)
-and decodes them back. `load_carried` rebuilds the tokenizer from a directory holding these files;
-the byte tokenizer needs no `tokenizers` package for that.
+Every checkpoint and Hugging Face export carries `tokenizer.json` and `tokenizer_config.json`
+(and `special_tokens_map.json` when the tokenizer had one); trainer.json records
+`describe(tokenizer)`. A Hugging Face tokenizer travels as its own files; for the byte tokenizer
+`byte_tokenizer_json` writes an equivalent BPE without merges over the ByteLevel symbols (byte b
+at id b, end of document at 256), which `transformers.AutoTokenizer` loads and which encodes
+exactly to `ByteTokenizer`'s ids. `load_carried` rebuilds the tokenizer from such a directory
+(the byte tokenizer without the `tokenizers` package).
 """
 
 from __future__ import annotations

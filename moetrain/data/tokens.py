@@ -1,20 +1,15 @@
 """Token directories: the on-disk format of tokenized text, how to write one and how to read it.
 
-A token directory holds ``train.npy`` and ``val.npy`` (flat 1-D arrays of token ids, uint16 when
-the vocabulary fits in 16 bits, else uint32; every document is followed by the tokenizer's EOS
-id), ``meta.json`` (format, version, tokenizer, vocab_size, eos_id, dtype, per-split token and
-document counts, per-split SHA-256 of the token bytes) and, for a Hugging Face tokenizer, a copy
-of its ``tokenizer.json`` so the directory stays readable when the original file moves.
-Invariants: a directory is written into a temporary sibling and renamed into place at the end,
-so a crash or a bad input never leaves a partial directory; both splits hold at least one
-document; readers memory-map the arrays and check them against meta.json, so a truncated or
-foreign file is a `ValueError` naming the file. `prepare` (`moetrain.data.prepare_text`) refuses
-a non-empty output directory unless told to overwrite it (`check_not_prepared`): a run trained
-on the old tokens could not resume on new ones. `fingerprint` names a directory's content,
-cheaply (see its docstring); runs record it so that a resume on changed data is an error. A
-pre-tokenized corpus (`moetrain.data.pretokenized`) is a token directory whose meta.json lists
-the user's token files instead of holding ``train.npy`` and ``val.npy``; `load_split` reads
-either kind.
+A token directory holds ``train.npy`` and ``val.npy`` (flat token ids, uint16 when the
+vocabulary fits, else uint32; every document followed by the EOS id), ``meta.json`` (format,
+version, tokenizer, vocab_size, eos_id, dtype, per-split token and document counts and SHA-256)
+and, for a Hugging Face tokenizer, a copy of its ``tokenizer.json``. Invariants: a directory is
+built in a temporary sibling and renamed into place, never left partial; both splits hold a
+document; readers memory-map the arrays and check them against meta.json (a `ValueError` naming
+the file). `check_not_prepared` refuses a non-empty output unless overwriting (runs trained on
+the old tokens could not resume). `fingerprint` names the content, for resumes to compare. A
+pre-tokenized corpus (data/pretokenized.py) lists the user's files in meta.json instead;
+`load_split` reads either kind.
 """
 
 from __future__ import annotations
@@ -52,14 +47,10 @@ def check_val_fraction(val_fraction: float) -> None:
 def split_documents(
     docs: Iterable[ArrayLike], val_fraction: float
 ) -> Iterator[tuple[str, ArrayLike]]:
-    """Label each document "train" or "val", deterministically and without reading ahead.
-
-    Document i (counting from 0) is held out when floor((i + 1) * f) > floor(i * f), which spreads
-    floor(n * f) validation documents evenly (every 20th for f = 0.05). When that holds out
-    nothing, the last document goes to val, so any two or more documents give both splits. A
-    single document is split by tokens: its last max(1, round(f * length)) tokens are val (each
-    part then ends with an EOS in the token directory), so that one long text makes both splits.
-    """
+    """Label each document "train" or "val", deterministically, without reading ahead: document
+    i is held out when floor((i + 1) * f) > floor(i * f) (every 20th for f = 0.05); when that
+    holds out nothing the last document goes to val; a single document is split by tokens, its
+    last max(1, round(f * length)) tokens val."""
     check_val_fraction(val_fraction)
     pending = None  # the latest train document, held back in case val ends up empty
     num_val = num_train = 0
@@ -104,12 +95,9 @@ def write_token_dir(
     meta: dict[str, Any] | None = None,
 ) -> Path:
     """Write ("train" | "val", token ids) documents as a token directory, atomically; `meta`
-    adds fields to its meta.json (how it was prepared).
-
-    An existing token directory (or empty directory) at `out_dir` is replaced, or kept when
-    ``if_exists="keep"``, in which case a directory that appears while this one is being built
-    wins (concurrent builders of the same cache entry). Anything else there is an error.
-    """
+    adds fields to its meta.json. An existing token (or empty) directory at `out_dir` is
+    replaced, or with ``if_exists="keep"`` kept (a concurrent builder's wins); anything else
+    there is an error."""
     out_dir = Path(out_dir)
     if _check_destination(out_dir) and if_exists == "keep":
         return out_dir
@@ -336,17 +324,10 @@ _SAMPLES = 16
 
 
 def fingerprint(data_dir: str | Path) -> str:
-    """A short hash naming the content of a token directory, for runs to record and compare.
-
-    It must be cheap for corpora of hundreds of GB, since every resume computes it. `prepare`
-    hashes the token bytes while it writes them anyway and stores the SHA-256 of each split in
-    meta.json; the fingerprint hashes those, plus the recorded sizes, so reading it costs one
-    small file. Directories written before meta.json held hashes get a sampled hash instead:
-    each split's size and `_SAMPLES` blocks of 64 KiB spread over it (first and last included),
-    which tells a re-prepared corpus from the original with near certainty while reading a few MB.
-    Writing the .npy files behind meta.json's back is caught by `load_split`'s length checks,
-    not by this hash.
-    """
+    """A short hash naming a token directory's content, cheap at any size (every resume takes
+    it): a hash of meta.json's per-split SHA-256 and sizes. Directories from before meta.json held
+    hashes get a sampled hash (sizes and `_SAMPLES` 64 KiB blocks, first and last included).
+    Arrays rewritten behind meta.json's back are caught by `load_split`'s checks, not here."""
     data_dir = Path(data_dir)
     meta = read_meta(data_dir)
     digest = hashlib.sha256()
