@@ -1,7 +1,6 @@
 """How the trainer builds its parts from a config: the optimizer (and its update kernel), the
-GEMM precisions (experts, linears), the parameter dtype, the data loaders, and the claim on a
-run directory. Each function
-fails at start-up, with the field to change, on a choice this machine cannot honour.
+GEMM precisions, the parameter dtype, the data loaders, and the claim on a run directory. A
+choice this machine cannot honour fails at start-up, naming the field to change.
 """
 
 from __future__ import annotations
@@ -87,11 +86,10 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
 def resolve_grad_dtype(
     model: Transformer, config: RunConfig, dims: ParallelDims
 ) -> torch.dtype | None:
-    """The dtype gradients accumulate and are reduced in, when it is not the parameters' own
-    (None). `precision.grad_dtype` fp32 with bf16 parameters gives fp32, except where nothing
-    is accumulated or reduced (one micro-batch in one data-parallel rank, no pipeline: the one
-    bf16 gradient is exact in fp32, and a buffer would only add a pass over it). FSDP reduces
-    its own gradients; the sharded optimizer always takes fp32 then (its buckets exist anyway)."""
+    """The dtype gradients accumulate and are reduced in, when not the parameters' own (None).
+    `precision.grad_dtype` fp32 with bf16 parameters gives fp32, except where nothing is
+    accumulated or reduced (one micro-batch, one dp rank, no pipeline: a buffer would only add a
+    pass); FSDP reduces its own; the sharded optimizer always takes it (its buckets exist)."""
     if config.precision.grad_dtype != "fp32" or config.parallel.data_parallel == "fsdp":
         return None
     if all(p.dtype == torch.float32 for p in model.parameters()):
@@ -119,9 +117,8 @@ def resolve_adamw_kernel(choice: str, device: torch.device) -> str:
 
 def apply_precision(model: Transformer, config: RunConfig, device: torch.device) -> None:
     """Install the expert GEMM of `precision.experts` and the projections' precision of
-    `precision.linear`; an unsupported choice fails here, at start-up, never as a silent
-    fallback. (`precision.dispatch` is the dispatchers' payload, installed with them by
-    moetrain.parallel.expert.)"""
+    `precision.linear`; an unsupported choice fails here, never as a silent fallback
+    (`precision.dispatch` is installed with the dispatchers, parallel/expert.py)."""
     if config.precision.dispatch == "fp8" and config.parallel.ep == 1:
         print(
             "note: precision.dispatch=fp8 without expert parallelism: no rows leave the device;"
@@ -198,8 +195,7 @@ def install_fp8_lm_head(model: Transformer, config: RunConfig, device: torch.dev
 
 def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
     """precision.param_dtype: auto is bf16 on CUDA and fp32 elsewhere. fp32 with compiled
-    blocks is an error: torch.compile's shape function of torch._grouped_mm accepts bf16 only
-    (torch 2.11 and 2.13: "Expected inputs of BF16 type"), while eager runs fp32."""
+    blocks is an error: torch.compile's shape function of torch._grouped_mm accepts bf16 only."""
     choice = config.precision.param_dtype
     if choice == "auto":
         choice = "bf16" if device.type == "cuda" else "fp32"
@@ -213,10 +209,9 @@ def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
 
 
 def claim_run_dir(run_dir: Path, checkpoint_root: Path, overwrite: bool, is_main: bool) -> None:
-    """A fresh start must not mix with an earlier run in the same directory: its newer
-    checkpoints would outrank (and rotate away) the new ones, and its metrics would interleave.
-    Without `overwrite` that is an error naming the way out; with it the main rank deletes the
-    earlier run's checkpoints, metrics and TensorBoard files first."""
+    """A fresh start must not mix with an earlier run in the same directory (its checkpoints
+    would outrank the new ones, its metrics interleave): an error without `overwrite`; with it
+    the main rank first deletes the earlier run's checkpoints, metrics and TensorBoard files."""
     earlier = manager.list_complete(checkpoint_root)
     metrics = run_dir / "metrics.jsonl"
     if not earlier and not metrics.exists():
@@ -236,9 +231,8 @@ def claim_run_dir(run_dir: Path, checkpoint_root: Path, overwrite: bool, is_main
 
 
 def build_loaders(cfg: RunConfig, d: ParallelDims, device: torch.device):
-    """(train loader of this data-parallel rank, the val tokens (one array, or a list with one
-    per source of a mix), tokenizer or None): random ids, one token directory, or a weighted mix
-    of sources."""
+    """(this dp rank's train loader, the val tokens (a list for a mix), tokenizer or None):
+    random ids, one token directory, or a weighted mix of sources."""
     t = cfg.train
     if cfg.data.random_tokens:
         train = RandomTokenLoader(

@@ -1,23 +1,16 @@
 """Evaluation: a run's validation loss, its evaluation sets and its multiple-choice tasks, scored
 on the same sequences at every evaluation and in every layout.
 
-What is scored is rows (moetrain.data.heldout): `train.eval_sequences` windows of the val split
-(of each source of a mix) and of each `data.eval_sets` directory, and the (context, choice) pairs
-of each `train.eval_tasks` task (moetrain.data.tasks). Row i goes to data-parallel rank i mod dp;
-a rank's rows are cut into micro-batches of `train.micro_batch_size` (under pp, whole steps of
-`accum_steps` of them, the schedule's batch) and padded with unscored rows, so that every rank
-runs the same forwards with the same shapes (expert-parallel and pipeline collectives need it; a
-compiled block sees the training shape). A row's summed negative log-likelihood over its scored
-targets lands in its own slot of a float64 vector that is summed over dp and pp: each slot has one
-contributor, so the sum is exact and equals one process's whenever a row's forward does not
-depend on the rows batched with it. Nothing is read on the host before the record is built (one
-read per evaluation) and nothing is checkpointed: the sets are functions of the config and data.
-
-The record (metrics.jsonl, TensorBoard and W&B through `observe.scalar_tags`):
-    {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix),
-     "eval_sets": {name: float}, "tasks": {name: {"acc": float, "acc_norm": float}}}
-A loss is the mean over the scored tokens; val_loss of a mix is its sources' weighted mean.
-`evaluate_checkpoint` is `moetrain eval`.
+What is scored is rows (data/heldout.py, data/tasks.py): `train.eval_sequences` windows of the
+val split (of each source of a mix) and of each `data.eval_sets` directory, and each task's
+(context, choice) pairs. Row i goes to dp rank i mod dp, in micro-batches of the training shape
+(under pp, whole schedule steps) padded with unscored rows, so every rank runs the same forwards
+(EP and pipeline collectives need it). A row's summed NLL lands in its own slot of a float64
+vector summed over dp and pp: one contributor a slot, so the sum is exact and equals one
+process's wherever a row's forward does not depend on its batch. One host read per evaluation;
+nothing is checkpointed (the sets are functions of the config and data). The record is
+metrics.jsonl's "eval" kind (train/observe.py); a loss is the mean over scored tokens, a mix's
+val_loss its sources' weighted mean. `evaluate_checkpoint` is `moetrain eval`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Will this run fit in this machine's memory? The planner's prediction, checked before any
 allocation, so a run that cannot fit is a clear error instead of the OS killing it mid-build.
 
-The prediction is the peak over pipeline stages of `plan.memory.stage_memory` (parameters,
-gradients, optimizer shards, activations, the backward's transient, an overhead) for the layout
-the run will use. It is compared with the free memory of the CUDA device, or, on CPU, with the
-memory the kernel reports as available (MemAvailable), shared by the processes of this node.
-The check errs on the side of letting a run start: the CPU overhead term is small, the
-replicated AdamW's unsharded states are counted as sharded, and a layout the planner cannot
-model skips the check (the trainer reports layout errors itself). `force` skips it.
+The prediction, the peak over stages of `plan.memory.stage_memory` for the run's layout, is
+compared with the CUDA device's free memory, or on CPU with MemAvailable shared by this node's
+processes. It errs towards letting a run start (small CPU overhead, the replicated AdamW's states
+counted as sharded; a layout the planner cannot model skips the check). `force` skips it.
 """
 
 from __future__ import annotations

@@ -1,37 +1,20 @@
 """A whole training step as one CUDA graph: capture it once, then replay it every step.
 
-Why: nothing in moetrain's step waits for the host (no `.item()`, no data-dependent shapes or
-branches), so the whole step (forward, backward, clip, optimizer, MoE bias update, metric sums) is
-a fixed sequence of kernels. Replaying it as one graph removes the host's launch work, which on
-small models is longer than the GPU's: the GPU no longer waits for Python to launch the next
-kernel.
+Nothing in the step waits for the host (no `.item()`, no data-dependent shapes or branches), so
+forward, backward, clip, optimizer, MoE bias update and metric sums are a fixed kernel sequence;
+one replay removes the host's launch work, which on small models outlasts the GPU's.
 
-What changes between steps travels through memory the graph reads, never through launch
-arguments: the micro-batches are copied into static input buffers and the learning rate into a
-device scalar (the Triton AdamW reads it from there). The first `warmup` steps run eagerly, on a
-side stream as torch.cuda.graph asks, so compilation, autotuning and the optimizer state happen
-before capture; the step at which the graph is captured then runs as its first replay.
-
-`StepGraph.unsupported_reason` says why a configuration cannot be graphed: random routing; fp32
-expert GEMMs (torch's `_grouped_mm` runs fp32 on CUDA as a loop over the experts that reads the
-offsets on the host); an optimizer other than the replicated AdamW with the Triton kernel;
-several processes (see below).
-
-Several processes (world size > 1): NCCL (>= 2.9.6) collectives can be captured, and the graph
-then holds every collective of the step: the NoSync dispatcher's all-to-alls and counts
-all-gather (functional collectives inside the compiled blocks, or eager ones), GradientSync's
-bucket all-reduces (launched by gradient hooks, waited in `finish`: host logic that runs once,
-at capture, and issues the same fixed sequence of collectives on every rank), the gradient
-norm's and the statistics' all-reduces. torch's NCCL process group keeps work captured in a
-graph away from its watchdog and waits for the watchdog's pending event queries before a capture
-begins; the warm-up steps create the communicators, which cannot be created during capture.
-What cannot be captured is refused by `multi_process_reason`: gloo (it stages CUDA tensors
-through the host), the all_to_all dispatcher (it reads split sizes on the host), FSDP and the
-pipeline schedules (host-side bookkeeping and point-to-point, not verified), and
-TORCH_NCCL_BLOCKING_WAIT (its wait polls an event on the host). It is never on by default at
-world size > 1: it has not run on several GPUs yet (README), so `train.cuda_graph=true` turns
-it on, and a failed capture then raises on that rank (a rank that went on eagerly would issue
-collectives that its peers replay inside a graph).
+What changes between steps travels through memory the graph reads: the micro-batches are copied
+into static buffers, the learning rate into a device scalar. The first `warmup` steps run eagerly
+on a side stream (compilation, autotuning and optimizer state happen before capture).
+`StepGraph.unsupported_reason` names what cannot be graphed: random routing; fp32 expert GEMMs
+(`_grouped_mm` reads the offsets on the host); an optimizer other than the replicated AdamW with
+the Triton kernel; and at world size > 1 `multi_process_reason`'s cases: gloo, the all_to_all
+dispatcher (host split sizes), FSDP and pipelines (not verified), TORCH_NCCL_BLOCKING_WAIT.
+Otherwise NCCL (>= 2.9.6) collectives are captured with the step (the warm-up creates the
+communicators). Several processes are graphed only with `train.cuda_graph=true` (not yet run on
+several GPUs), and a failed capture then raises on that rank: one that went on eagerly would
+issue collectives its peers replay inside a graph.
 """
 
 from __future__ import annotations

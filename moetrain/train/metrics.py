@@ -1,11 +1,7 @@
 """Throughput, FLOP and memory accounting, and where metrics go: console, JSONL, TensorBoard,
-and Weights & Biases when the run asks for it (train/wandb_log.py).
-
-The console is a live bar on a terminal; elsewhere (a Slurm log, a file, CI) each log line says
-the step out of the total, tokens/s and the time left at the run's pace so far.
-
-Values arrive as device tensors at the log cadence and are read once there. MFU uses the
-model FLOPs of moetrain.model.flops against the datasheet dense BF16 peak of the GPU.
+and Weights & Biases when asked (train/wandb_log.py). Values arrive as device tensors at the log
+cadence and are read once there. MFU: model FLOPs (model/flops.py) against the GPU's datasheet
+dense BF16 peak.
 """
 
 from __future__ import annotations
@@ -125,9 +121,8 @@ class MetricsSink:
 
 
 class EpochLog:
-    """The train records' "epoch" (completed passes over the training data; for a mix, per
-    source as "epoch_per_source"), and a console line when a new pass begins: a run that outlasts
-    its data trains on the same sequences again."""
+    """The train records' "epoch" (completed passes over the data; a mix's "epoch_per_source"),
+    and a console line when a new pass begins (the same sequences again)."""
 
     def __init__(self, passes: list[int], labels: list[str] | None) -> None:
         self.seen, self.labels = passes, labels

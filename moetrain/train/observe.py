@@ -1,15 +1,10 @@
 """Routing observability: what the experts actually receive, beyond the auxiliary losses.
 
-The load-balancing loss can be gamed: its value improves while the real load gets more
-imbalanced (e.g. the router flattens its probabilities but keeps sending most routes to a few
-experts). So every log line carries measured load statistics per MoE layer, and a detector
-warns when the two disagree. Everything here runs at the log cadence on host values: the
-trainer reads the device buffers once (`summarize_moe_stats` does a single device-to-host copy)
-and the rest is plain Python.
-
-Contents: `routing_summary` (one layer's load statistics), `summarize_moe_stats` (all layers from
-`MoELayer.read_stats()`), `TokenGamingDetector`, `read_metrics` (the metrics.jsonl format) and
-`TensorBoardWriter` (optional mirror of the same records).
+The load-balancing loss can improve while the real load gets more imbalanced (a router that
+flattens its probabilities but sends most routes to a few experts), so every log line carries
+measured load statistics per MoE layer and `TokenGamingDetector` warns when the two disagree.
+Everything runs at the log cadence on host values (`summarize_moe_stats` makes one device-to-host
+copy). Also `read_metrics` and `TensorBoardWriter`.
 
 metrics.jsonl holds one JSON object per line, appended by the trainer:
     {"kind": "train", "step", "loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
@@ -48,9 +43,8 @@ def routing_summary(
     dropped: Number | None = None,
     routed: Number | None = None,
 ) -> dict[str, Any]:
-    """Load statistics of one MoE layer over a log interval, as plain Python numbers.
-
-    `tokens_per_expert` counts routes (token, k) per expert. Keys:
+    """Load statistics of one MoE layer over a log interval, as plain Python numbers, from
+    `tokens_per_expert` (routes per expert). Keys:
     - max_mean: max / mean load (1.0 is perfect balance, E means one expert takes everything);
     - cv: population standard deviation / mean of the load (0.0 is perfect balance);
     - zero_frac: fraction of experts that received no route;
@@ -100,11 +94,8 @@ def summarize_moe_stats(
     lb_weight: float,
     z_weight: float,
 ) -> list[dict[str, Any]]:
-    """`{layer: MoELayer.read_stats()}` -> the "moe" list of a train record, one dict per layer.
-
-    All device values of all layers come to the host in one copy (one sync per log line, not
-    one per number). Optional stats keys: "entropy", "dropped", "routed" (scalars).
-    """
+    """`{layer: MoELayer.read_stats()}` -> the "moe" list of a train record, one dict per layer,
+    from one device-to-host copy. Optional stats keys: "entropy", "dropped", "routed" (scalars)."""
     optional = ("entropy", "dropped", "routed")
     flat: list[torch.Tensor] = []
     for stats in stats_by_layer.values():
@@ -136,15 +127,11 @@ def summarize_moe_stats(
 class TokenGamingDetector:
     """Warns when a layer's load-balancing loss improves while its measured load gets worse.
 
-    For each layer it keeps the last `window` log points and fits a least-squares line to the lb
-    loss and to max/mean load against the step; the fit, not the two end points, decides. It
-    fires when, along the fitted lines, the lb loss fell by more than `lb_improve` (relative)
-    while max/mean rose by more than `imbalance_worsen` (relative), and each change exceeds
-    `significance` standard errors of the fit: both statistics scatter from one log interval to
-    the next by more than those thresholds (a short interval routes few tokens), and trends
-    judged without the scatter fired on pure noise at most log steps of a short run. After a
-    warning the layer's window starts afresh, so a persisting problem is reported once per
-    `window` log steps, not on every line.
+    Over each layer's last `window` log points it fits least-squares lines to the lb loss and to
+    max/mean load against the step, and fires when along them the lb loss fell by more than
+    `lb_improve` while max/mean rose by more than `imbalance_worsen` (both relative), each change
+    beyond `significance` standard errors (without that test, noise fired at most log steps).
+    After a warning the layer's window starts afresh: once per `window` log steps at most.
     """
 
     def __init__(
@@ -216,13 +203,9 @@ def _fitted_trend(x: Sequence[float], y: Sequence[float]) -> tuple[float, float,
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train records, eval records) from a metrics.jsonl file or the run directory holding one.
-
-    Both lists are sorted by step. A step logged twice (a run resumed from a checkpoint older
-    than its last log line) keeps its latest record. Lines that are not valid JSON are skipped:
-    the last one may be cut short by a crash mid-write, and a resumed run appends after it.
-    Records of other kinds are ignored.
-    """
+    """(train records, eval records), sorted by step, from a metrics.jsonl file or its run
+    directory. A step logged twice (a resume from an older checkpoint) keeps its latest record;
+    invalid JSON lines (cut short by a crash) and other kinds are skipped."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
@@ -267,14 +250,9 @@ _TB_MOE_KEYS = ("max_mean", "cv", "zero_frac", "entropy", "lb_loss", "drop_frac"
 
 
 class TensorBoardWriter:
-    """Mirrors train/eval records to TensorBoard event files in `run_dir`.
-
-    Needs the `tensorboard` package; without it, it logs one info message and every `write` is a
-    no-op (`enabled` is False). Missing or None values are skipped.
-    Tags: loss/train, loss/val, aux/*, optim/*, perf/*, moe/{layer}/{max_mean, cv,
-    zero_frac, entropy, lb_loss, drop_frac}, data/epoch, and for a mix data/tokens/*,
-    data/epoch/* and loss/val/*, and loss/eval/* and tasks/* (`scalar_tags`).
-    """
+    """Mirrors train/eval records to TensorBoard event files in `run_dir`, under `scalar_tags`.
+    Without the `tensorboard` package it logs one message and `write` is a no-op (`enabled` is
+    False)."""
 
     def __init__(self, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
         self._writer = None

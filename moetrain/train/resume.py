@@ -1,8 +1,7 @@
 """What a resume checks and says before it loads a checkpoint's state, for the CLI and the
-Trainer API alike: the checkpoint's config against the run's (`config_resume.check_resumable`:
-a frozen field is an error naming it), what the learning rate does next when the schedule
-changed (`optim.schedule.lr_change`: a jump above its last value is an error unless allowed),
-and the changes, printed once (stderr of the main rank).
+Trainer alike: the checkpoint's config against the run's (`config_resume.check_resumable`), what
+the learning rate does next (`optim.schedule.lr_change`: a jump is an error unless allowed), and
+the changes, printed once on the main rank's stderr.
 """
 
 from __future__ import annotations

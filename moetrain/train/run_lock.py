@@ -1,23 +1,17 @@
 """A lock on a run directory for the life of a run, so two trainings never share one.
 
-The lock is the file `RUN_DIR/run.lock`, created with O_CREAT | O_EXCL (one creator wins, also
-on a filesystem shared by several nodes), holding JSON with the holder's host, pid, start time
-and a random token. While it is held, a daemon thread refreshes the file's modification time
-every `heartbeat_s` seconds. Another run treats the lock as stale, and takes it over, when the
-holder ran on this host and its pid no longer exists (a crash, a kill -9), or when the heartbeat
-is older than `stale_after_s` (a holder on another node that died, or a pid reused after a
-reboot). A lock this very process holds is taken over too (a library user building a second
-Trainer on the same directory after the first one).
+The lock is `RUN_DIR/run.lock`, created with O_CREAT | O_EXCL (one creator wins, also on a shared
+filesystem), holding JSON with host, pid, start time and a random token; a daemon thread
+refreshes its modification time every `heartbeat_s`. It is stale, and taken over, when its
+holder ran on this host and its pid is gone, when the heartbeat is older than `stale_after_s`,
+or when this very process holds it (a second Trainer on the same directory).
 
-A take-over removes exactly the stale lock it judged, never a fresher one: it renames whatever
-is at `run.lock` to a unique name (one contender gets each file) and compares the token; when two
-contenders judged the same stale lock and the other one has already replaced it with its own,
-that lock is linked back into place (a link never replaces a newer file) and this contender
-looks again. A holder whose file no longer carries its token (a take-over after its heartbeat
-stalled past `stale_after_s`, or the rare triple race that the put-back loses) has lost the
-lock: the heartbeat records why in `lost`, and the trainer stops at its next step boundary
-without saving. `release` removes the file only while it still holds this lock's token. Only
-the main rank takes the lock; the trainer tells the others the outcome.
+A take-over removes exactly the stale lock it judged: it renames whatever is at `run.lock` to a
+unique name (one contender gets each file) and compares the token; another contender's fresh
+lock is linked back into place (a link never replaces a newer file). A holder whose file no
+longer carries its token has lost the lock: the heartbeat records why in `lost`, and the trainer
+stops at its next step boundary without saving. `release` removes the file only while it holds
+this lock's token. Only the main rank takes the lock.
 """
 
 from __future__ import annotations

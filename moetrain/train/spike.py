@@ -1,12 +1,10 @@
 """Loss-spike detection on the device: is this step's loss far above the recent ones?
 
-A step is a spike when its loss exceeds ``mean + sigma * std`` of the losses of the last `window`
-applied steps (population std), once `window` of them exist; the trainer skips a spike like a
-non-finite step. Only losses of applied steps enter the window, so a run of spikes does not
-widen the band that should catch it: a lasting jump in the loss is skipped step after step until
-`train.max_bad_steps` stops the run. Invariants: the window is a device ring buffer and the
-decision a device bool, so nothing here waits for the device (no `.item()`, no Python branch on
-a tensor); the window travels in checkpoints (`state_dict`) so resumed runs decide alike.
+A step is a spike when its loss exceeds ``mean + sigma * std`` (population std) of the last
+`window` applied steps' losses, once the window is full; the trainer skips it like a non-finite
+step. Only applied steps enter the window, so a lasting jump is skipped until
+`train.max_bad_steps` stops the run. The window is a device ring buffer and the decision a device
+bool (no host sync); the window travels in checkpoints so resumed runs decide alike.
 """
 
 from __future__ import annotations

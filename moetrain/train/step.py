@@ -1,10 +1,9 @@
 """One optimizer step's forward and backward passes, with every metric kept on the device.
 
-`forward_backward` runs the gradient-accumulation micro-batches: each micro-batch's mean
-cross-entropy is scaled by 1/accum and backpropagated; the MoE layers add the gradients of their
-weighted auxiliary losses themselves (see moetrain.moe.layer.AddAuxLossGrad), with the same 1/accum
-scale. Gradient communication is skipped on all but the last micro-batch (`no_sync`).
-It returns the mean loss as a device tensor: nothing here reads a value on the host.
+`forward_backward` backpropagates each accumulation micro-batch's mean cross-entropy scaled by
+1/accum (the MoE layers add their auxiliary losses' gradients at the same scale:
+moe/layer.py AddAuxLossGrad), under `no_sync` but for the last, and returns the mean loss as a
+device tensor (no host read).
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """The training loop: build, train with log/eval/checkpoint cadences, stop cleanly, resume exactly.
 
-Build order (STYLE rule 2): the model is constructed on the meta device, parallelized (expert
-parallelism, activation checkpointing, compile), materialized with `to_empty`, initialized with
-`init_weights(seed)`, and its parameters cast to the training dtype. Then the optimizer, the data
-loaders, and, with `resume`, the state of the newest complete checkpoint.
+Build order: the model is built on the meta device, parallelized, materialized with `to_empty`,
+initialized with `init_weights(seed)` and cast to the training dtype; then the optimizer, the
+data loaders, and with `resume` the newest complete checkpoint's state.
 
-One step: micro-batch forward/backward (train/step.py) -> gradient sync -> global-norm clip ->
-optimizer step, skipped on the device when the loss or a gradient is not finite or the loss spikes
-above its recent window (train/spike.py) -> MoE end-of-step (aux-loss-free bias update). Metrics
-stay on the device and are read at the log cadence only. SIGTERM / Ctrl-C finish the current step,
-save a checkpoint and return; K consecutive skipped steps (seen at a log step) save and stop with
-an error message. An unwritable run directory is an error before the model is built, and so is
-one that another live run holds: the main rank locks it for the life of the run (run_lock.py).
-Checkpoints record the tokens' content hash and carry the tokenizer; a resume checks both the
-hash and that the architecture and data settings of the config are the checkpoint's, prints what
-else changed and what the learning rate does next, and refuses an LR jump unless allowed.
+One step: forward/backward (train/step.py) -> gradient sync -> global-norm clip -> optimizer
+step, skipped on the device when the loss or a gradient is not finite or the loss spikes
+(train/spike.py) -> MoE end-of-step. Metrics stay on the device until the log cadence. SIGTERM /
+Ctrl-C finish the step, save and return; `train.max_bad_steps` consecutive skipped steps (seen
+at a log step) save and stop with an error. An unwritable run directory, or one another run holds
+(train/run_lock.py), is an error before the model is built. Checkpoints record the tokens'
+content hash and carry the tokenizer; a resume checks them (train/resume.py).
 """
 
 from __future__ import annotations
@@ -86,10 +82,9 @@ class Trainer:
         model_transform: Callable[[Transformer], None] | None = None,
         allow_lr_increase: bool = False,
     ) -> None:
-        """`model_transform` changes the parallelized model before it is materialized (on the
-        meta device; with FSDP after): benchmarks use it to keep one rank's share of a larger
-        layout (`moetrain.bench.measure_rank`). `allow_lr_increase` lets a resume whose changed
-        schedule raises the LR above its last value go on (`optim.schedule.lr_change`)."""
+        """`model_transform` changes the parallelized model before it is materialized (on meta;
+        with FSDP after), as bench/measure_rank.py does. `allow_lr_increase` lets a resume whose
+        changed schedule raises the LR go on (`optim.schedule.lr_change`)."""
         # data paths made absolute; unset vocab_size and eos_id: from the tokenizer
         config = resolve_eos_id(resolve_vocab_size(resolve_data_paths(config)))
         self.allow_lr_increase = allow_lr_increase
@@ -283,9 +278,8 @@ class Trainer:
         }
 
     def shutdown(self) -> None:
-        """End of a run on every rank: wait for all, then tear the process groups down. Ranks
-        that exit with live groups can abort in gloo's destructors while a peer still talks
-        (seen as a SIGABRT after the last step under torchrun)."""
+        """End of a run on every rank: wait for all, then tear the process groups down (ranks
+        exiting with live groups can SIGABRT in gloo's destructors while a peer still talks)."""
         if dist.is_initialized():
             dist.barrier()
             destroy_distributed()

@@ -1,14 +1,11 @@
 """Weights & Biases: an optional mirror of metrics.jsonl, next to TensorBoard.
 
-`train.wandb_project` turns it on (None: off). The `wandb` package is optional: a run that asks
-for it without the package installed is a start-up error naming `pip install wandb`, never a
-silent no-op, and a run that does not ask never imports it. Without an API key (no
-WANDB_API_KEY, no `wandb login` entry in ~/.netrc) the run is logged offline into the run
-directory (`wandb sync` uploads it later), so training never needs a network; WANDB_MODE, when
-set, is obeyed. The scalars are those of TensorBoard under the same tags (`scalar_tags`), at the
-training step. The W&B run id is kept in RUN_DIR/wandb-run-id: a run resumed from a checkpoint
-continues that W&B run, and every other start (`--overwrite`, a `--resume` that found no
-checkpoint) begins a new one, whose steps W&B would otherwise drop as older than the old run's.
+`train.wandb_project` turns it on. Asking without the `wandb` package is a start-up error naming
+`pip install wandb`; not asking never imports it. Without an API key (WANDB_API_KEY or ~/.netrc)
+the run logs offline into the run directory (`wandb sync` uploads it); WANDB_MODE, when set, is
+obeyed. The scalars are TensorBoard's (`scalar_tags`) at the training step. The W&B run id is
+kept in RUN_DIR/wandb-run-id: a resume from a checkpoint continues that run; every other start
+begins a new one (W&B would drop steps older than the old run's).
 """
 
 from __future__ import annotations
