@@ -210,10 +210,8 @@ MIGRATED = ("train.eval_batches",)
 
 
 def _migrate(data: dict[str, Any]) -> dict[str, Any]:
-    """`data` with the fields of older configs (a run's config.yaml, a YAML, --set) replaced by
-    today's, with a warning that says how. train.eval_batches counted micro-batches per
-    data-parallel rank, so its set changed with the layout; train.eval_sequences counts the
-    validation set's sequences."""
+    """`data` with the fields of older configs replaced by today's, with a warning that says how
+    (train.eval_batches counted micro-batches per dp rank; eval_sequences counts sequences)."""
     train = data.get("train")
     if not isinstance(train, dict) or "eval_batches" not in train:
         return data

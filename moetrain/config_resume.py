@@ -1,22 +1,15 @@
 """The config a resumed run trains with: the run's own, plus the changes that are safe to make.
 
-A checkpoint's state means something only under two parts of the config it was trained with:
-the architecture (the shape and the meaning of every tensor, and the optimizer state's layout)
-and the data (the loader's saved position counts windows of these tokens, cut at this seq_len,
-batched by this micro-batch size and shuffled with this seed; the evaluations score fixed
-sequences of the val split and the eval sets, so that curves stay comparable across a resume). A resume that changes one of
-`FROZEN` is an error naming the field. Everything else may change and the difference is printed:
-the run's length and schedule, the cadences of logging, evaluation and checkpoints, the optimizer's
-hyperparameters, the parallel layout (checkpoints hold global tensors), kernels and precision of
-the expert GEMMs. `data.path` may change too (a token directory that moved): the tokens' content
-hash, recorded in every checkpoint, catches different data under any path; so may the paths of
-`data.sources` (a mix), as long as their number, order and weights stay, `data.val_fraction`
-(the hash catches another split) and `data.tokenizer` when it names a file of the same content.
-`moe.bias_update_rate` may change but not to or from 0: the router's learned expert bias exists
-only while it is positive. `resume_run_config` builds the config a resumed run trains with from
-its run directory; the trainer checks it against the checkpoint's (`check_resumable`), prints
-the changes and what the learning rate does next (`optim.schedule.lr_change`). This module does
-not import torch.
+A checkpoint's state means something only under its architecture (every tensor's shape and
+meaning, the optimizer state's layout) and its data (the loader's position counts windows of
+these tokens at this seq_len, micro-batch size and seed; evaluations score fixed sequences). A
+resume that changes a `FROZEN` field is an error naming it; anything else may change and is
+printed (length, schedule, cadences, optimizer hyperparameters, the parallel layout, kernels and
+precision). Also allowed: `data.path` and the paths of `data.sources` (same number, order and
+weights), `data.val_fraction`, and a `data.tokenizer` file of the same content, since the
+recorded content hash catches other data; `moe.bias_update_rate` but not to or from 0 (the bias
+exists only while it is positive). `resume_run_config` builds the config a resume trains with.
+This module does not import torch.
 """
 
 from __future__ import annotations
@@ -134,10 +127,8 @@ def resume_config(
     requested_from: str = "",
 ) -> tuple[RunConfig, list[str]]:
     """The config of a resumed run: `saved` (the run's config.yaml, at `source`) with the --set
-    `overrides` applied, and the list of its changes. `requested`, the config that a --preset or
-    YAML given again on the command line builds (with the same overrides), must equal it: on
-    resume the run's own config is the base, and a preset that differs from it would otherwise
-    change fields silently."""
+    `overrides`, and the list of its changes. `requested` (a --preset or YAML given again, with
+    the same overrides) must equal it, or it would change fields silently."""
     config = saved.with_overrides(overrides)
     if requested is not None:
         diverging = differences(config, requested)

@@ -1,13 +1,10 @@
 """Dry run of `moetrain train`: one rank's share of the model, built on the meta device.
 
-For a layout (dp, ep, pp) and a global rank, `build_rank_model` builds the Transformer on meta and
-keeps what that rank would hold: the layers of its pipeline stage (`plan.stage_layer_ranges`), the
-embedding on the first stage, the final norm and LM head on the last, and of each MoE layer only
-the rank's num_experts / ep experts (`expert_offset` set to the first one's global id). Meta
-tensors carry shapes and dtypes but no storage, so nothing is allocated and CUDA is never touched,
-even for a trillion-parameter model. `dry_run` lists the parameters with their bytes and puts the
-planner's memory estimate for that rank next to them; the two parameter totals must agree.
-Placement of ranks follows moetrain.plan: rank = stage * dp + dp_rank, ep_rank = dp_rank % ep.
+For a layout (dp, ep, pp) and a global rank (placed as moetrain.plan does), `build_rank_model`
+builds the Transformer on meta and keeps what that rank would hold: its stage's layers, the
+embedding on the first stage, the final norm and LM head on the last, and its num_experts / ep
+experts of each MoE layer. Nothing is allocated, at any size. `dry_run` lists the parameters with
+their bytes next to the planner's memory estimate; the two parameter totals must agree.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Load a trained model from a checkpoint directory, evaluate it, and sample text from it.
 
 A checkpoint directory is self-contained: its `config.yaml` rebuilds the model, DCP loads the
-weights (under any parallel layout they were saved with, since names and shapes are global), and
-its tokenizer files encode prompts and decode samples.
-Generation recomputes the whole prefix at every new token: simple and fine for the small models
-one samples on a laptop; it is not a serving engine.
+weights (saved under any layout) and its tokenizer files encode and decode. Generation
+recomputes the whole prefix at every token: fine for small models, not a serving engine.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """`moetrain plot RUN_DIR`: PNG charts of a run from its metrics.jsonl.
 
-Charts: loss.png (train and validation loss; a mix's per-source validation and each evaluation
-set too), tasks.png (accuracy of each multiple-choice task, when the run has some),
-throughput.png (tokens/s), lr.png, and, for runs with MoE layers, expert_load.png: one heatmap
-per layer of each expert's share of the routes at every log step (a balanced router is a flat 1/E
-band), under a curve of max/mean load per layer.
-matplotlib is optional (`pip install matplotlib`, or the `plot` extra). Figures are drawn on
-matplotlib's Agg canvas directly, without pyplot, so no global backend state is touched.
+Charts: loss.png (train, validation, per-source and evaluation-set losses), tasks.png (task
+accuracies), throughput.png, lr.png, and for MoE runs expert_load.png: per layer a heatmap of
+each expert's share of the routes at every log step under a curve of max/mean load. matplotlib
+is optional (the `plot` extra); figures use its Agg canvas without pyplot (no global state).
 """
 
 from __future__ import annotations

@@ -147,13 +147,8 @@ def _scale(num_experts: int) -> Callable[[], RunConfig]:
 
 def ref_47b() -> RunConfig:
     """The reference's 47B expert-scaling model (128 experts, top-4) in the OLMoE block: 47.06B
-    parameters, 3.18B active counting the input embedding as the reference's figures do (2.97B
-    on our convention, docs/benchmarks.md); with 8 experts the same shape has 4.59B (reported:
-    4.6B, 47B, about 3.2B). Its other dimensions are not published: d_model 4096 in 32 heads of
-    128 and 20 layers put the non-expert parameters at the 1.75B that the reported totals imply
-    (4.6B minus 8 experts' share of the 42.4B that 120 more experts add), and the expert hidden
-    size 1440 gives each expert's 20 layers the 353M that share implies (docs/plan.md).
-    Sequences of 4096, micro-batch 4, as olmoe-1b-7b."""
+    parameters, 3.18B active counting the input embedding as the reference does. Its
+    unpublished dimensions are derived from the reported totals in docs/plan.md."""
     return _olmoe(
         "ref-47b",
         d_model=4096,
@@ -185,16 +180,9 @@ def _trillion(name: str, num_experts: int) -> RunConfig:
 
 def trillion_1_2t() -> RunConfig:
     """The reference trillion-scale run's totals in the OLMoE block: 1.195T parameters, 58.57B
-    active per token (reported: about 1.2T and 58.36B; docs/plan.md has the arithmetic).
-
-    104 layers of d_model 7168, 56 heads of 128 (multi-head, qk-norm), 256 SwiGLU experts of
-    hidden 2048 with top-8 routing in every layer, vocabulary 50,304, untied head; sequences of
-    4096, global batch 4096 sequences (16.8M tokens), random routing as in the reference
-    measurement, the exact-split all-to-all dispatcher (dropless: no padding on the wire, no
-    dropped routes; NoSync is capacity mode). Layout: pp 16, ep 8 (all-to-all inside a node), no activation checkpointing:
-    on 512 B300 within 3% of the planner's best, a 64-stage pipeline at ep 1 (`moetrain plan
-    --preset trillion-1.2t --gpus 512 --gpu b300`; docs/plan.md says why the preset keeps this).
-    """
+    active per token (reported: about 1.2T and 58.36B). Random routing as in the reference
+    measurement, the dropless exact-split dispatcher, pp 16 x ep 8 without checkpointing; the
+    arithmetic and the layout's choice: docs/plan.md."""
     return _trillion("trillion-1.2t", 256)
 
 
@@ -224,12 +212,10 @@ def get_preset(name: str) -> RunConfig:
 
 def load_config(preset: str | None = None, path: str | Path | None = None) -> RunConfig:
     """The config of a --preset, a YAML file, or both. A YAML lists only the fields it changes,
-    over its base: another YAML named by a top-level `base:` key (a path relative to the file;
-    chains allowed, a cycle is an error), or a preset named by `preset:` (or given as `preset`)
-    at the root of the chain. The chain's mappings merge field by field, the file given last,
-    before the whole is validated once. Without a base a YAML layers over RunConfig's defaults
-    (the 0.94B `small` shape with a vocabulary taken from the tokenizer). A root naming another
-    preset than `preset` is an error naming both."""
+    over its base: another YAML named by `base:` (relative to the file; chains allowed, a cycle
+    is an error), or at the chain's root a preset named by `preset:` (or the `preset` argument:
+    naming another is an error), else RunConfig's defaults. The mappings merge field by field,
+    the given file last, and the whole is validated once."""
     if path is None:
         return get_preset(preset or "demo")
     chain = yaml_chain(path)
