@@ -1,18 +1,13 @@
 """A dispatcher that hands one device's experts exactly the rows one rank of an expert-parallel
 run would receive under uniform routing, without any other rank: for measuring a rank's compute.
 
-Letters: T tokens, K top-k, E experts of the model, n ranks of the expert-parallel group,
-e = E / n experts on a rank.
+Letters: T tokens, K top-k, E experts, n ranks of the expert-parallel group, e = E / n.
 
-Under expert parallelism over n ranks with uniform routing, every rank routes its T K routes
-evenly over the E experts, so each expert receives n T K / E rows and a rank's e experts together
-receive e n T K / E = T K rows: as many rows as the rank routes, from all ranks. A rank's MoE
-layer therefore runs its router over E experts on its T tokens and its e experts on T K rows,
-T K / e each. `BalancedDispatcher` reproduces that on one device: the router's choice among the
-E experts is kept for the weights (and so for the router's gradient), and route (t, k), flat index
-r = t K + k, goes to local expert r mod e. The row movements are the `LocalDispatcher`'s own
-(sort, gathers, sum), so the rows' cost is the one-device path's; what expert parallelism adds
-(the all-to-alls, its dispatchers' index work) is not run.
+Under uniform routing over n ranks, a rank's e experts receive e n T K / E = T K rows, T K / e
+each. `BalancedDispatcher` reproduces that on one device: the router's choice among the E experts
+is kept for the weights (and the router's gradient), and route r = t K + k goes to local expert
+r mod e. The rows move as in `LocalDispatcher`; what expert parallelism adds (all-to-alls, index
+work) is not run.
 """
 
 from __future__ import annotations

@@ -207,11 +207,9 @@ CHECK_OPTIMIZER = "mixed"  # bf16 parameters, fp32 master weights and moments
 
 def check(config: RunConfig, calibration: cal.Calibration, **bench_kw) -> Check:
     """Plan `config` on one GPU with `calibration` and measure it with `moetrain bench`
-    (`bench_kw`: steps, warmup, device) in mixed precision. Memory: with ShardedAdamW (flat bf16
-    parameters, fp32 gradient buckets, master weights and moments), the optimizer the planner's
-    memory model holds. Time: with the replicated AdamW, whose step is CUDA-graphed like the
-    planner's time model assumes (it has no host launch term; ZeRO-1 is not graphed, and its
-    eager step measured well over the model)."""
+    (`bench_kw`: steps, warmup, device) in mixed precision: memory with ShardedAdamW (what the
+    planner's memory model holds), time with the replicated AdamW, whose CUDA-graphed step
+    matches the time model's lack of a host launch term."""
     from moetrain.bench import harness
 
     optimizer = CHECK_OPTIMIZER

@@ -2,13 +2,10 @@
 of the projection's rank model (bench/balanced.py), measured on one GPU at a rank's shapes.
 
 - Index work: NoSyncDispatcher's dispatch and combine, forward and backward, at G ranks of T
-  tokens each, against the BalancedDispatcher's. Its collectives are replaced by stand-ins:
-  every rank's counts are taken to be this rank's (the shapes and the index computations are
-  the real ones, the values a uniform-routing sample) and the fixed blocks come back to this
-  rank unchanged; nothing is sent. The rows move as in a real step.
-- Host sync: the exact-split dispatcher reads its split sizes on the host once per MoE layer
-  forward. Its cost is the GPU's idle time around the read: two products of a layer's length
-  issued with a read of a small device tensor between them, against without it.
+  tokens, against BalancedDispatcher's. Collectives are stand-ins (every rank's counts are this
+  rank's; the blocks come back unchanged): real shapes and index work, nothing sent.
+- Host sync: the exact-split dispatcher's split-size read, once per MoE layer forward, costed as
+  the GPU's idle time: two layer-length products with a small read between them, against without.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The GPU's clock and power while a system's timed steps run, sampled through NVML.
 
-Why: a step that keeps the tensor cores busy enough reaches the board's power limit, and the
-driver then lowers the SM clock, while a system whose steps leave the GPU half idle keeps its
-full clock. Two systems
-compared in one job can so run at different clocks, and a step time means little without the
-clock it ran at. `GpuStateSampler` polls on a background thread (NVML calls are host-only and
-do not touch the GPU's queue) and summarizes: median and lowest SM clock, mean and highest
-power, and the share of samples in which the driver reported a power-related clock reduction
-(software power cap or hardware power brake). The clock and the reasons are current values;
-NVML's power reading is averaged by the board (over about a second on recent GPUs), so over a
-run of a few hundred milliseconds it trails the real draw. Without `pynvml` (nvidia-ml-py) or
-off CUDA it records nothing and the summary is None.
+A step that keeps the tensor cores busy reaches the power limit and the driver lowers the SM
+clock, so two systems compared in one job can run at different clocks. `GpuStateSampler` polls
+NVML on a background thread (host-only calls) and summarizes median and lowest SM clock, mean and
+highest power, and the share of samples with a power-related clock reduction. NVML's power is
+board-averaged (about a second), so over short runs it trails the real draw. Without `pynvml` or
+off CUDA the summary is None.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """`moetrain bench`: time full training steps, exactly as `moetrain train` builds and runs them.
 
 The model, optimizer and step are the Trainer's own (`Trainer.train_step`), fed uniform random
-token ids (`data.random_tokens`), with learned or forced-random routing. Reported per system:
-median and spread of step time, tokens/s per GPU, model TFLOP/s (moetrain.model.flops, the same
-FLOP count for every system), MFU against the datasheet peak and against the 8192^3 BF16 matmul
+token ids. Reported per system: step time (median and spread), tokens/s per GPU, model TFLOP/s
+(model/flops.py, the same count for every system), MFU against the datasheet peak and the matmul
 rate measured in the same process, peak allocated memory, and the forward+backward vs optimizer
-split of a step.
+split.
 """
 
 from __future__ import annotations
@@ -222,9 +221,8 @@ def bench_moetrain(
 
 
 def release(trainer) -> None:
-    """Free a benchmarked trainer's GPU memory before the next system is measured: its CUDA graph
-    holds a private memory pool until reset, and the peak-memory column of the next row must not
-    include it."""
+    """Free a benchmarked trainer's GPU memory (its CUDA graph's private pool included) before
+    the next system is measured."""
     graph = trainer.step_graph.graph if trainer.step_graph is not None else None
     if graph is not None:
         graph.reset()

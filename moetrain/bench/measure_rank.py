@@ -1,19 +1,13 @@
 """`moetrain bench --project`: resident experts against FSDP2 on N GPUs, from one rank's compute
 measured on the local GPU and the rest from the arithmetic of moetrain.plan.compare.
 
-What is measured (`measure_rank`): the model one rank runs, built and stepped by the Trainer as
-`moetrain bench` does (compiled blocks, the step a CUDA graph where supported, uniform random
-token ids, learned routing over all E experts), at the preset's micro-batch without
-checkpointing: under expert parallelism the model with E / N experts a layer, whose
-`BalancedDispatcher` hands them the T K rows uniform routing would send the rank
-(bench/balanced.py); under FSDP2 the whole model. The step splits into forward + backward and
-clip + optimizer by the eager phase events of the harness, and the forward + backward into the
-kinds of plan/rank_compute.py by a profile of one step (on a GPU). A model too large for the GPU
-is timed at 1 and 2 layers and extrapolated linearly to its depth (its blocks are identical);
-`RankCompute.depths` says which. Then the dispatcher's own cost at the rank's shapes
-(bench/dispatch_cost.py). The rows are projected on the measuring GPU's links and on a B300's
-(compute scaled by plan/rank_compute.py), with the reference's comparison and a sweep of the
-compute scale for the B300.
+`measure_rank` times the model one rank runs, built and stepped as `moetrain bench` does, at the
+preset's micro-batch without checkpointing: under expert parallelism with E / N experts a layer
+fed by a `BalancedDispatcher` (bench/balanced.py), under FSDP2 the whole model. The step is split
+into forward + backward and optimizer by the harness's phase events, and forward + backward into
+plan/rank_compute.py's kinds by a profile. A model too large for the GPU is timed at 1 and 2
+layers and extrapolated linearly (`RankCompute.depths`). The dispatcher's own cost comes from
+bench/dispatch_cost.py. Rows are projected on the measuring GPU and on B300s.
 """
 
 from __future__ import annotations
@@ -66,10 +60,8 @@ def rank_transform(num_local: int, payload: str = "bf16") -> Callable[[Any], Non
 
 
 def fresh_compile() -> None:
-    """Forget what torch.compile traced for earlier models of this process: past its recompile
-    limit dynamo would run a block eagerly, and after a shape change it would trace dynamic
-    shapes; each model here is compiled as in a process of its own (Inductor's on-disk cache
-    still serves graphs it has seen)."""
+    """Forget what torch.compile traced for earlier models of this process (past its recompile
+    limit dynamo would run blocks eagerly, and after a shape change trace dynamic shapes)."""
     torch._dynamo.reset()
 
 

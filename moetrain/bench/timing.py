@@ -104,11 +104,10 @@ def steady_rate(work_per_chunk: float, chunk_ms: list[float]) -> tuple[float, fl
 def sustained_matmul(
     device: torch.device, n: int = 8192, seconds: float = 2.0, chunk: int = 50
 ) -> dict | None:
-    """The BF16 n^3 product repeated back to back for at least `seconds`, timed in chunks of
-    `chunk` products, with the GPU's clock and power sampled (bench/gpu_state.py). The short
-    reference (`matmul_tflops`, milliseconds of work) never reaches the board's power limit;
-    training steps do, and this is the rate the GPU sustains there. Returns TFLOP/s over the run
-    and over its second half, the seconds run and the GPU's state; None off CUDA."""
+    """The BF16 n^3 product back to back for at least `seconds`, in chunks of `chunk`, with the
+    GPU's state sampled: the rate at the power limit that training steps reach and the short
+    `matmul_tflops` does not. Returns TFLOP/s over the run and its second half, the seconds run
+    and the GPU's state; None off CUDA."""
     from moetrain.bench.gpu_state import GpuStateSampler, nvml_reader
 
     if device.type != "cuda":
