@@ -4,15 +4,13 @@ rank's expert buffers hold. Host integer arithmetic, shared by the expert-parall
 
 Letters: T tokens of one rank's micro-batch, K top-k, E global experts, G ranks of the
 expert-parallel group, e = E / G local experts, cf = moe.capacity_factor.
-- Dropless (cf None): every route is computed. Under expert parallelism that is the exact-split
-  `AllToAllDispatcher`: one host sync per MoE layer forward reads the split sizes, and a rank's
-  buffers hold exactly the rows routed to it, T*K on average under balanced routing.
-- Capacity mode (cf set): `NoSyncDispatcher`, static shapes and no host sync. Each (source ->
-  destination) block has B = min(ceil(cf T K / G), T min(K, e)) rows, so a rank receives G B,
-  about cf T K rows; routes beyond the expert or block capacity are dropped and counted. Without
-  a capacity factor its blocks would need the worst case T min(K, e) each, G T min(K, e) rows
-  per rank: up to G times the T*K it needs. So NoSync requires a capacity factor. (cf >= E / K
-  reaches both worst cases: nothing can be dropped.)
+- Dropless (cf None): under expert parallelism the exact-split `AllToAllDispatcher`, one host
+  sync per MoE layer forward; a rank's buffers hold exactly its routed rows (T*K on average).
+- Capacity mode (cf set): `NoSyncDispatcher`, static shapes, no host sync. Each (source ->
+  destination) block has B = min(ceil(cf T K / G), T min(K, e)) rows, about cf T K a rank;
+  routes beyond expert or block capacity are dropped and counted. Without a factor the blocks
+  would need the worst case, G T min(K, e) rows a rank (up to G times T*K): NoSync requires one.
+  (cf >= E / K reaches both worst cases: nothing is dropped.)
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ import math
 
 def auto_dispatcher(ep: int, cuda: bool, capacity_factor: float | None) -> str:
     """What `moe.dispatcher: auto` resolves to: local without expert parallelism; at ep > 1
-    no_sync on CUDA when a capacity factor is set, else all_to_all (dropless, and what gloo
-    runs)."""
+    no_sync on CUDA with a capacity factor, else all_to_all (dropless; what gloo runs)."""
     if ep == 1:
         return "local"
     return "no_sync" if cuda and capacity_factor is not None else "all_to_all"

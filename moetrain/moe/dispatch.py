@@ -6,25 +6,18 @@ Letters: T tokens, K top-k, D model dim, N rows handed to the experts, e local e
     y_ND = experts(rows_ND, offsets_e, handle.row_weights_N, handle.rows_fp8)
     y_TD = dispatcher.combine(y_ND, handle)
 
-`offsets_e` holds each local expert's cumulative END row (int32, on device), the layout
-`torch._grouped_mm` takes; rows past `offsets_e[-1]` are padding the experts may leave unwritten.
-Each route's result is weighted by its router weight and a token's K results are summed; a route
-that was dropped contributes zero. Who applies the weights is the dispatcher's choice, stated by
-its handle: with `handle.row_weights_N` (the weights in row order) the experts scale their rows
-(inside the SwiGLU, before the linear down projection) and `combine` only sums, so its backward
-needs no saved expert outputs (the LocalDispatcher); with None, `combine` weights (the
-expert-parallel dispatchers, whose rows cross ranks without their weights). `handle.rows_fp8` is
-(q, scale), the same rows in row-scaled FP8 for FP8 experts, when the dispatcher made them (the
-LocalDispatcher with `fp8_rows`: it quantizes the T token rows and gathers their FP8 copies,
-where the experts would quantize all T*K rows), else None. The MoE layer only
-sees this interface: expert parallelism swaps in dispatchers that move rows between ranks
-(moetrain.parallel), without touching model code.
+`offsets_e` holds each local expert's cumulative END row (int32, on device), as
+`torch._grouped_mm` takes it; rows past `offsets_e[-1]` are padding the experts may leave
+unwritten. Each route's result is weighted by its router weight and a token's K results summed;
+a dropped route contributes zero. With `handle.row_weights_N` the experts apply the weights
+(inside the SwiGLU) and `combine` only sums, keeping no expert outputs for its backward
+(LocalDispatcher); with None `combine` weights (the EP dispatchers, whose rows cross ranks
+without them). `handle.rows_fp8`: the rows already in row-scaled FP8, or None. The MoE layer
+sees only this interface; expert parallelism swaps in dispatchers that move rows between ranks.
 
-moe.overlap runs both in halves, so that compute runs while rows move:
-    pending = dispatcher.dispatch_begin(x_TD, routing)   # launches the movement
-    rows_ND, offsets_e, handle = dispatcher.dispatch_end(pending)   # waits for it (on the device)
-and `combine_begin(y_ND, handle)` / `combine_end(pending)` likewise. A dispatcher that moves
-nothing does its work in the begin half (`Immediate`).
+moe.overlap runs both in halves so compute runs while rows move: `dispatch_begin(x_TD, routing)`
+launches the movement, `dispatch_end(pending)` waits for it on the device (and `combine_begin` /
+`combine_end` likewise). A dispatcher that moves nothing works in the begin half (`Immediate`).
 """
 
 from __future__ import annotations
@@ -90,18 +83,12 @@ class LocalHandle:
 
 class LocalDispatcher(Immediate):
     """All experts on this device. A stable sort of the T*K routes by expert id gives the row
-    order (ties keep token order, so the result is deterministic). The row movements are
-    `moetrain.kernels.gather`: Triton kernels near memory bandwidth on GPU (every backward is a
-    gather too: no scatter, no atomics), plain torch elsewhere. The handle gives the experts the
-    router weights in row order and `combine` only sums: the weighted combine's backward read
-    the (T*K, D) expert outputs back for the weights' gradient and kept them alive until then
-    (268 MB a layer of `small`); the experts' SwiGLU takes that gradient from values it holds.
-    `payload="fp8"`: nothing leaves the device, so only the FP8 rounding of the rows is applied
-    (before the K-fold gather: T rows quantized, not T*K), which keeps a run's numerics the same
-    with and without expert parallelism. `fp8_rows` (set for FP8 experts by
-    `moetrain.train.build`): the handle also carries the rows in row-scaled FP8, from the T token
-    rows quantized once and gathered as bytes (a row's quantization does not depend on where it
-    goes), bit for bit the quantization of the T*K rows at an eighth of its reads."""
+    order (deterministic); the rows move by kernels/gather.py. The experts apply the router
+    weights, so `combine` keeps no (T*K, D) expert outputs for its backward. `payload="fp8"`
+    applies only the FP8 rounding (to the T token rows, before the K-fold gather), so numerics do
+    not depend on expert parallelism. `fp8_rows` (FP8 experts): the handle also carries the rows
+    in row-scaled FP8, the T token rows quantized once and gathered as bytes, bit for bit the
+    quantization of the T*K rows."""
 
     def __init__(self, payload: str = "bf16", fp8_rows: bool = False) -> None:
         self.payload = check_payload(payload)
@@ -151,11 +138,10 @@ def inverse_permutation(order_N: torch.Tensor) -> torch.Tensor:
 
 
 class _GatherRows(torch.autograd.Function):
-    """out[m] = src[index[m]], where no src row is read by two positions except rows whose
-    gradient is dropped (padding, a sink row). The backward is a gather too: grad_src[r] =
-    grad_out[back[r]], with back[r] = the position that read row r, or len(index) (a zero row)
-    for rows whose gradient is dropped. Indexing's own backward scatter-adds (a sort on GPU;
-    serialized where many positions read one sink row)."""
+    """out[m] = src[index[m]], no src row read twice except rows whose gradient is dropped
+    (padding, a sink). Backward, a gather: grad_src[r] = grad_out[back[r]], back[r] = the
+    position that read row r, or len(index) (a zero row). Indexing's own backward would
+    scatter-add (a sort on GPU, serialized on the sink row)."""
 
     @staticmethod
     def forward(ctx, src, index, back):  # type: ignore[override]
@@ -199,8 +185,6 @@ class _WeightedSumOfRoutes(torch.autograd.Function):
 
 
 def weighted_sum_of_routes(y_TKD: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * y[t, k, :], accumulated in float32 (as the kernels of
-    moetrain.kernels.gather do), returned in y's dtype. Used by the expert-parallel dispatchers.
-    Elementwise, not a batched product: with K of 2-8 a bmm runs tiny, slow GEMMs; under compile
-    the casts, products and sums fuse."""
+    """sum_k w[t, k] * y[t, k, :], accumulated in float32, in y's dtype (the EP dispatchers'
+    combine). Elementwise, not a bmm (tiny GEMMs at K of 2-8); compiled, it fuses."""
     return _WeightedSumOfRoutes.apply(y_TKD, weights_TK)

@@ -4,16 +4,12 @@ Letters: N rows (grouped by expert), D model dim, F expert hidden, e local exper
     h_N2F = rows_ND @ w_up_eD2F[expert of row]      (gate and up fused: [gate | up])
     y_ND  = swiglu(h_N2F, w_N) @ w_down_eFD[expert of row]
                                    (w * silu(gate) * up, moetrain.kernels.swiglu)
-Both products are one `torch._grouped_mm` each, driven by device-side offsets. The optional row
-weights w_N are the router weights of the rows, handed over by a dispatcher whose combine then
-only sums (LocalDispatcher): applied inside the SwiGLU, before the linear down projection, they
-give the same result as weighting y, while the combine's backward needs no saved y. The GEMM is a
-swappable callable (BF16, FP8 row-scaled, MXFP8 emulation); a GEMM with a `swiglu_mlp` method
-(FP8 row-scaled) may take the whole MLP as one op instead, to fuse its quantizations into the
-SwiGLU kernels and to take the rows already in row-scaled FP8 from the dispatcher.
-`grouped_mm_reference` is the obvious loop over experts that tests compare against. Weights are
-indexed by global expert id minus `expert_offset`, so expert parallelism only changes which slice
-of experts a rank holds.
+Each product is one `torch._grouped_mm` driven by device-side offsets. The optional row weights
+w_N (router weights, from a dispatcher whose combine only sums) are applied inside the SwiGLU:
+the same as weighting y, since the down projection is linear. The GEMM is a swappable backend
+(moe/grouped_gemm.py); one with a `swiglu_mlp` method (FP8) may take the whole MLP as one op.
+`grouped_mm_reference` is the loop tests compare against. Weights are indexed by global expert
+id minus `expert_offset`, so expert parallelism only changes which slice a rank holds.
 """
 
 from __future__ import annotations
@@ -55,11 +51,9 @@ def grouped_mm_unsupported_reason(dtype: torch.dtype, widths: dict[str, int]) ->
 
 
 def grouped_mm(x_ND: torch.Tensor, w_eDF: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm`: one kernel for all experts, offsets read on the device.
-
-    float64 (a dtype only tests use: training runs bf16 or fp32) takes the reference loop. Any
-    other shape or dtype the kernel rejects is a ValueError, never a silent slow loop with a host
-    sync; `model.d_model` and `moe.expert_hidden` are checked against this at start-up."""
+    """`torch._grouped_mm`: one kernel for all experts, offsets read on the device. float64
+    (tests only) takes the reference loop; anything else the kernel rejects is a ValueError,
+    never a silent slow loop (the config checks the widths at start-up)."""
     if x_ND.dtype == torch.float64:
         return grouped_mm_reference(x_ND, w_eDF, offsets_e)
     d, f = w_eDF.shape[1:]

@@ -13,18 +13,13 @@ backward:
     gx_ND = dh_N2F @ w_up^T           FP8
     gw_up = x^T dh, gw_down = a^T gy  bf16 (`torch._grouped_mm`)
 
-Composed of per-product ops (`fp8_grouped_mm` twice around `swiglu`), the SwiGLU output and its
-gradient would each be written in bf16 and read back by a separate quantization pass: the
-product's backward receives its gradient from autograd in bf16 only. One op with its own backward
-lets the SwiGLU kernels emit the FP8 rows (and dh's bf16 rows, which gw_up needs). Every
-product and quantization is the one `FP8RowwiseGroupedGemm` and `swiglu` compute, so the results
-equal that composition (bit for bit in the CPU emulation; on the GPU up to the SwiGLU kernels' own
-rounding, which the plain path shares). Saved for the backward: x and h. The composed path also
-keeps a (N x F) from forward to backward, for gw_down; here the SwiGLU backward, which reads h
-anyway, writes a again, bit for bit: one N x F write more a layer in the backward, one less in the
-forward, and N x F less memory held per layer. Like `fp8_grouped_mm`, two opaque torch.library
-ops with a registered autograd formula: compiled blocks trace them without a graph break, and the
-step can be CUDA-graphed. Their arguments travel as one `FP8ExpertsInputs`.
+Composed of per-product ops, the SwiGLU output and its gradient would be written in bf16 and read
+back by a separate quantization pass; one op with its own backward lets the SwiGLU kernels emit
+the FP8 rows. The results equal the composition `fp8_grouped_mm`, `swiglu`, `fp8_grouped_mm` (bit
+for bit in the CPU emulation; on the GPU up to the SwiGLU kernels' shared rounding). Saved for the
+backward: x and h (the SwiGLU backward writes a again instead of keeping N x F a layer). Like
+`fp8_grouped_mm`, two opaque torch.library ops with a registered autograd formula (no graph break,
+CUDA-graphable); their arguments travel as one `FP8ExpertsInputs`.
 """
 
 from __future__ import annotations

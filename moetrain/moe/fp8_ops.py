@@ -23,12 +23,10 @@ weight gradient is the 2-D x 2-D case, whose group sizes come from the router (a
 experts included), so it runs in BF16 (`grouped_mm_weight_grad`).
 
 The product is two opaque ops with a registered autograd formula, traced by torch.compile without
-a graph break and called as they are; inside them the Triton quantizers run on the GPU. Written
-as an autograd.Function with the quantizations traced into the graph, its compiled backward
-returned zero gradients for both inputs on the H200 (torch 2.11; aot_eager as well as inductor):
-likely dynamo reading `ctx.needs_input_grad` as False, the symptom of pytorch/pytorch#160901 (not
-confirmed here). Emulated (the CPU, or `emulate=True`), the quantized operands are dequantized
-and multiplied in fp32: equal to the tensor cores up to the order of fp32 accumulation.
+a graph break; inside them the Triton quantizers run on the GPU. (As an autograd.Function traced
+into the graph, its compiled backward returned zero gradients on torch 2.11, likely
+pytorch/pytorch#160901.) Emulated (the CPU, or `emulate=True`), the dequantized operands are
+multiplied in fp32: equal to the tensor cores up to the order of fp32 accumulation.
 """
 
 from __future__ import annotations

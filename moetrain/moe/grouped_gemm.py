@@ -51,15 +51,13 @@ class FP8RowwiseGroupedGemm:
     Forward      y = x @ w:       x scaled per row along D, w per column along D.
     Input grad   gx = gy @ w^T:   gy scaled per row along F, w per row along F (its reduction dim).
     Weight grad  gw_i = x_i^T gy_i in BF16 with `torch._grouped_mm`: the FP8 2-D x 2-D kernel
-                 asserts non-empty groups whose sizes are multiples of 16, which routing does not
-                 give (moe/fp8_ops.py). x is therefore saved in its input precision.
-    Weights are quantized at every call, like the activations: no cache, no host-side state, so a
-    compiled block traces the ops without a graph break and the step can be CUDA-graphed. Without
-    a capable GPU (`emulate=True`, or built for the CPU) the same math runs as quantize ->
-    dequantize -> fp32 grouped GEMM, and `emulated` is True.
-    `use_fast_accum` (default) lets the tensor cores accumulate without CUTLASS's periodic
-    promotion to fp32: faster, and a little less precise. `fuse_swiglu` (default) makes
-    `swiglu_mlp` take the experts' whole MLP (moe/fp8_experts.py); False composes the products.
+                 asserts group sizes routing does not give (moe/fp8_ops.py); x is saved in its
+                 input precision.
+    Weights are quantized at every call (no cache, no host state: compiled without a graph
+    break, CUDA-graphable). Without a capable GPU (`emulate=True`, or the CPU) the same math runs
+    as quantize -> dequantize -> fp32 GEMM and `emulated` is True. `use_fast_accum`: accumulate
+    without CUTLASS's periodic fp32 promotion (precision.fp8_fast_accum). `fuse_swiglu`: let
+    `swiglu_mlp` take the experts' whole MLP (moe/fp8_experts.py).
     """
 
     def __init__(

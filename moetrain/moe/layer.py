@@ -1,18 +1,15 @@
 """The MoE feed-forward layer: router -> dispatcher -> grouped experts -> combine.
 
 Letters: B batch, S sequence, T = B*S tokens, D model dim, E experts.
-Auxiliary losses reach the router through `AddAuxLossGrad`: the layer output carries them, so
-`loss.backward()` on the language-model loss alone also backpropagates the weighted load-balancing
-and z-losses, in any stage of a pipeline and under activation checkpointing. `aux_grad_scale` is
-the factor the trainer applies to its own loss (1 / gradient-accumulation steps; under pipeline
-parallelism 1 / pipeline micro-batches, set by moetrain.parallel.pipeline).
-Routing statistics (routes per expert, loss values) accumulate in device buffers and are read only
-when the trainer logs; nothing here syncs with the host.
+The weighted load-balancing and z-losses reach the router through `AddAuxLossGrad` on the layer
+output, so `loss.backward()` on the language-model loss alone backpropagates them, in any
+pipeline stage and under checkpointing. `aux_grad_scale` is the factor the trainer applies to
+its own loss (1 / accumulation steps; 1 / pipeline micro-batches under pp). Routing statistics
+accumulate in device buffers, read only when the trainer logs.
 
-moe.overlap=two_chunk runs the layer in halves on two chunks of a micro-batch (`send`, `compute`,
-`receive`; model.transformer.Block schedules them between the chunks' attention): the dispatcher's
-begin halves launch the rows' movement and its end halves wait for it on the device. Losses,
-gradients and statistics are those of `forward` on the whole micro-batch.
+moe.overlap=two_chunk runs the layer in halves on two chunks of a micro-batch (`send`,
+`compute`, `receive`, scheduled by model.transformer.Block between the chunks' attention);
+losses, gradients and statistics are those of `forward` on the whole micro-batch.
 """
 
 from __future__ import annotations
@@ -34,12 +31,9 @@ from moetrain.nn.mlp import SwiGLU
 
 
 class AddAuxLossGrad(torch.autograd.Function):
-    """A copy of `y`; in backward, gives `aux_loss` the gradient `scale`.
-
-    Applied to the router weights (T x K: the copy costs nothing), which every route's result
-    depends on. A copy, not `y` itself: compiled, an identity whose input is a graph input
-    (the exact-split all-to-all dispatcher breaks the graph at its collectives) was folded away
-    with its backward, and the auxiliary losses' gradient was dropped without a word."""
+    """A copy of `y`; in backward, gives `aux_loss` the gradient `scale`. Applied to the router
+    weights (T x K: a cheap copy). A copy, not `y` itself: compiled, an identity on a graph input
+    was folded away with its backward, silently dropping the auxiliary losses' gradient."""
 
     @staticmethod
     def forward(ctx, y, aux_loss, scale: float):  # type: ignore[override]

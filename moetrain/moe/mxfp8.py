@@ -2,9 +2,9 @@
 elements, one E8M0 scale per 32 elements) along that product's reduction dim, dequantized, and
 multiplied in the input dtype (BF16 math for bf16 inputs).
 
-MXFP8 block-scaled grouped products (E8M0 scales, swizzled layout) are Blackwell-only in torch's
-libraries, so this runs on every device as an emulation: it measures the recipe's accuracy,
-never its speed. Letters: N rows (grouped by expert), D input dim, F output dim, e experts.
+MXFP8 grouped products are Blackwell-only in torch, so this emulation measures the recipe's
+accuracy, never its speed. Letters: N rows (grouped by expert), D input dim, F output dim, e
+experts.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """FP8 payload for dispatched rows (`precision.dispatch = fp8`).
 
-The rows a dispatcher sends to the experts are quantized before they travel and dequantized on
-arrival: each row becomes D e4m3 bytes plus its fp32 scale (row-scaled FP8, `kernels.quant`),
-packed into one uint8 row of D + 4 bytes, so one collective moves about half the bytes of bf16.
-Only the forward dispatch travels in FP8. Gradients travel back in the activations' dtype, and
-the rounding is straight-through (its gradient is the identity), as in DeepSeek-V3's recipe,
-where the combine and every backward exchange stay in BF16.
+Dispatched rows travel as one uint8 row of D e4m3 bytes plus the fp32 row scale (row-scaled FP8),
+about half of bf16's bytes, and are dequantized on arrival. Only the forward dispatch travels in
+FP8; the combine and gradients travel in the activations' dtype, the rounding straight-through
+(DeepSeek-V3's recipe).
 
 Letters: R rows, D model dim.
 """

@@ -1,13 +1,10 @@
 """What activation checkpointing's recompute must know: that it is one, and what its forward drew.
 
-Code with side effects in forward (statistics counters, the random-routing draw counter) consults
-`is_recomputing()` so that a recomputed forward counts nothing twice. Values a forward takes from
-a counter (the random-routing draw numbers) go on the checkpoint's `ForwardTape` through
-`forward_value`, and its recompute reads them back in the same order, however many other
-forwards ran in between (a pipeline schedule recomputes micro-batch m after the forwards of
-m + 1, m + 2, ...). `moetrain.parallel` creates one tape per checkpointed call and enters
-`recording(tape)` for the forward and `recomputing(tape)` for the recompute through the
-checkpoint's context_fn; nothing here knows about checkpointing itself.
+Forward side effects (statistics, the random-routing draw counter) consult `is_recomputing()` so
+a recompute counts nothing twice. Values a forward takes from a counter go on the checkpoint's
+`ForwardTape` through `forward_value`, and the recompute reads them back in order, however many
+other forwards ran in between (pipeline schedules). parallel/parallelize.py makes one tape per
+checkpointed call and enters `recording` / `recomputing` through the checkpoint's context_fn.
 """
 
 from __future__ import annotations

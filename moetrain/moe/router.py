@@ -1,12 +1,11 @@
 """Top-k router: x_TD -> RoutingResult. No host syncs and no communication.
 
 Letters: T tokens, D model dim, E experts, K top-k.
-Scores are softmax (OLMoE) or sigmoid over all experts, in fp32. Experts are selected by top-k of
-the scores plus an optional per-expert bias (auxiliary-loss-free balancing); the bias only moves
-the selection, never the weights. Weights are the selected scores, optionally renormalized to sum
-to one. Random mode draws K distinct experts per token uniformly from a seeded device generator,
-for system benchmarks that must not depend on what the router has learned; its weights are still
-the router's scores at the drawn experts, so compute and gradients keep their usual shape.
+Scores are softmax (OLMoE) or sigmoid over all experts, in fp32. Experts are the top-k of the
+scores plus an optional per-expert bias (aux-loss-free balancing: it moves the selection, never
+the weights); weights are the selected scores, optionally renormalized. Random mode (benchmarks)
+draws K distinct experts per token from a seeded device generator; its weights are still the
+scores at the drawn experts, so compute and gradients keep their shape.
 """
 
 from __future__ import annotations
@@ -92,10 +91,8 @@ class TopKRouter(nn.Module):
         )
 
     def _draw_rng(self, x: torch.Tensor) -> torch.Generator:
-        """The generator for this forward's random experts, seeded by (seed, draw number). An
-        activation-checkpoint recompute reuses the draw number of the forward it repeats
-        (recorded on the checkpoint's tape: under a pipeline schedule other forwards run
-        between the two)."""
+        """The generator for this forward's random experts, seeded by (seed, draw number); a
+        recompute reuses its forward's draw number (moe/recompute.py)."""
         if self._generator is None or self._generator.device != x.device:
             self._generator = torch.Generator(device=x.device)
         draw = forward_value(self._next_draw)
