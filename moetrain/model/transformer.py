@@ -1,19 +1,13 @@
 """The MoE transformer: embedding -> blocks -> final norm -> LM head (+ chunked cross-entropy).
 
 Letters: B batch, S sequence, D d_model, V vocabulary.
-Each block is pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)), where ffn is a MoE layer
-(or a dense SwiGLU for the first `num_dense_layers` blocks). With moe.overlap=two_chunk a MoE
-block computes the same on two chunks of its sequences, interleaved (`Block._two_chunks`).
-Blocks live in a ModuleDict keyed by their global index, so a pipeline stage that keeps a subset
-of them keeps their global names;
-`embed`, `norm` and `lm_head` may be None in stages that do not own them.
-With data.document_masking the forward derives the batch's documents from its token ids once
-(`DocumentMask.from_tokens`, on the device) and every block's attention keeps within them; a
-pipeline stage that takes hidden states is handed the token ids as `input_ids`.
-
-Build on the meta device, parallelize, materialize with `to_empty`, then `init_weights(seed)`.
-Initialization is a pure function of (seed, parameter name, global expert index), so the same seed
-gives the same global weights under any parallel layout.
+Each block is pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)), ffn a MoE layer (a dense
+SwiGLU for the first `num_dense_layers`); with moe.overlap=two_chunk on two interleaved chunks
+(`Block._two_chunks`). Blocks are keyed by global index, so a pipeline stage keeps global names;
+`embed`, `norm` and `lm_head` are None in stages that do not own them. With document masking
+the forward derives the documents from the token ids once (a stage taking hidden states gets
+them as `input_ids`). Build on meta, parallelize, `to_empty`, then `init_weights(seed)`: a pure
+function of (seed, parameter name, global expert index), the same weights under any layout.
 """
 
 from __future__ import annotations

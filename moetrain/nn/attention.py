@@ -2,21 +2,13 @@
 
 Shapes: B batch, S sequence, D d_model, N query heads, G key/value heads, H head dim.
 qk-norm (OLMoE) is an RMSNorm over the full q and k projections, before the heads are split.
-q, k and v come from one GEMM against the three projection weights concatenated (C = N*H + 2*G*H
-output columns), faster than three GEMMs, whose weight gradients cuBLAS split along K. The
-weights stay three parameters (q_proj, k_proj, v_proj, as in Hugging Face checkpoints),
-concatenated in the forward and again in the backward (`concat_linear`) rather than kept: a D x C
-copy each way, where keeping it would hold one per layer and micro-batch in flight. On CUDA with
-Triton, qk-norm and RoPE run fused (`moetrain.kernels.qk_norm_rope_triton`): one op over the
-projection, two kernel launches per direction, fp32 math rounded once, which also hands SDPA a
-contiguous v and writes the whole projection gradient. The torch path rounds to the
-activation dtype between norm and RoPE and applies RoPE with tables in that dtype.
-`qk_norm_rope_reference` is the fused op's plain-torch twin, per tensor.
-`torch.nn.functional.scaled_dot_product_attention` runs the flash or cuDNN kernels on GPU; the
-backend can be pinned (cuDNN beats flash on Hopper for our shapes).
-Given a `DocumentMask` (data.document_masking, moetrain.nn.document_mask), attention stays within
-each document of the packed rows (FlexAttention on CUDA, SDPA with a dense mask on CPU) and RoPE
-takes its positions, reset per document when asked; without one the code path is the plain one.
+q, k and v come from one GEMM against the three projection weights, which stay three parameters
+(as in Hugging Face checkpoints) and are concatenated in forward and backward (`concat_linear`)
+rather than kept concatenated (a D x C copy per layer and micro-batch in flight). On CUDA with
+Triton, qk-norm and RoPE run fused (kernels/qk_norm_rope_triton.py, fp32 math rounded once);
+the torch path rounds between norm and RoPE. `qk_norm_rope_reference` is the fused op's twin.
+SDPA runs flash or cuDNN on GPU (the backend can be pinned). Given a `DocumentMask`
+(nn/document_mask.py), attention stays within each document and RoPE takes its positions.
 """
 
 from __future__ import annotations

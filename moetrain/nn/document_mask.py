@@ -3,22 +3,15 @@ own document.
 
 Letters: B batch, S sequence, N query heads, G key/value heads, H head dim, K blocks of BLOCK
 positions along a row (ceil(S / BLOCK)).
-A training row is a window of the token stream, whose documents are separated by EOS. A document
-starts at each EOS, which plays the beginning-of-sequence token of the document after it, and at
-the row's first position (the tail of a document that the window cut is a document too). So every
-position predicts its target from its own document alone: a document's last token predicts the
-EOS, and the EOS predicts the next document's first token from itself, as generation from an EOS
-prompt does. Document ids (non-decreasing along a row) and positions are derived on the device
-from the token ids (`DocumentMask.from_tokens`): no host sync and fixed shapes, so the step stays
-capturable as a CUDA graph. With `reset_positions` RoPE positions count from 0 at each document
-start; otherwise they stay 0..S-1.
+A document starts at each EOS (which plays the next document's beginning-of-sequence token) and
+at the row's first position, so every position predicts its target from its own document alone.
+Document ids (non-decreasing along a row) and positions are derived on the device from the token
+ids (`DocumentMask.from_tokens`): no host sync, fixed shapes, CUDA-graphable. With
+`reset_positions` RoPE positions restart at 0 at each document start.
 
 Two ways to attend, equal up to rounding (`DocumentMask.attend`):
-- block-sparse (CUDA): FlexAttention with a `BlockMask` built from the first and last document
-  id of each block of BLOCK positions. Block (i, j) of queries i and keys j is empty when j > i or
-  their id ranges do not meet, full when j < i and both lie in one document, else partial (the
-  mask_mod then decides per element). O(B K^2) work, never an S x S mask; empty blocks are
-  skipped, so attention FLOPs fall with the document length.
+- block-sparse (CUDA): FlexAttention with a `BlockMask` from each block's first and last
+  document id (empty, full or partial blocks; O(B K^2) work, never an S x S mask);
 - dense (CPU, and the reference): SDPA with a (B, 1, S, S) boolean mask.
 """
 
@@ -34,10 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK = 128  # FlexAttention's default sparse block size: the granularity of skipped work
-# The dense path on CUDA (the reference there) with a boolean mask: no fused kernel takes fp32
-# with GQA (cuDNN wants bf16/fp16, the memory-efficient one equal head counts), so math stays
-# allowed. On the CPU, where the dense path trains, the caller's choice stands (its flash kernel
-# takes the mask, and is faster than math).
+# The dense path on CUDA (the reference there): no fused kernel takes an fp32 boolean mask with
+# GQA, so math stays allowed. On the CPU the caller's choice stands (its flash kernel takes it).
 _DENSE_CUDA_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -103,10 +94,8 @@ class DocumentMask:
 
 
 def _own_rows(x_BNSH: torch.Tensor) -> torch.Tensor:
-    """x itself, or a copy when its rows are a view into wider ones (v split off the fused qkv
-    projection on the unfused path). Compiled into a block with q and k computed from the same
-    projection, FlexAttention read such a v wrongly (torch 2.13, Inductor on CPU: off by O(1);
-    2.11 reads it right); a tensor of its own reads right. The fused path's v is its own."""
+    """x itself, or a copy when its rows are a view into wider ones (v split off the qkv
+    projection): compiled, FlexAttention read such a v wrongly (torch 2.13, Inductor on CPU)."""
     B, N, S, H = x_BNSH.shape
     if x_BNSH.stride(2) == N * H and x_BNSH.stride(3) == 1 or x_BNSH.is_contiguous():
         return x_BNSH
@@ -155,10 +144,9 @@ def document_block_mask(ids_BS: torch.Tensor, block: int = BLOCK) -> BlockMask:
 
 def _ordered(blocks_BKK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count, indices) of the set blocks of each row, set ones first in ascending order, as
-    BlockMask holds them: (B, 1, K) and (B, 1, K, K) int32 (one head: the mask is per row),
-    contiguous. FlexAttention's kernels read a row of indices as consecutive memory whatever the
-    strides; argsort of a transposed mask (the q side) keeps the transposed strides, and the
-    backward then visited the wrong query blocks (dk, dv wrong; torch 2.11 on the H200)."""
+    BlockMask holds them: (B, 1, K) and (B, 1, K, K) int32, contiguous (FlexAttention reads a
+    row of indices as consecutive memory whatever the strides: a transposed argsort gave wrong
+    dk, dv)."""
     blocks = blocks_BKK.to(torch.int32)[:, None]
     indices = torch.argsort(blocks, dim=-1, descending=True, stable=True)
     count = blocks.sum(-1, dtype=torch.int32)

@@ -5,19 +5,14 @@ For y = x w^T with x (M, K) tokens and w (N, K):
     forward       y  = x  @ w^T    x scaled per token along K,   w per output row along K
     input grad    gx = gy @ w      gy scaled per token along N,  w per input column along N
     weight grad   gw = gy^T @ x    in the input precision (bf16), as for the experts
-Forward and input gradient use the kernel's fast accumulation unless `precision.fp8_fast_accum`
-is off (a little more error than the bf16 output's rounding). The weight gradient in FP8 needs
-both operands scaled along the tokens, two transposed quantizations that cost more than the whole
-bf16 product, so it stays bf16 (its reduction over all tokens is also where fast accumulation
-doubled the error).
+Forward and input gradient use fast accumulation unless `precision.fp8_fast_accum` is off. The
+weight gradient stays bf16: in FP8 it needs two transposed quantizations that cost more than the
+bf16 product (and fast accumulation doubled its error).
 
-Nothing is cached: operands, weights included, are quantized at every call with plain torch ops
-(`moetrain.kernels.quant`), which torch.compile traces and Inductor fuses into one pass per operand
-(the transposes included) or into the kernel that produced the operand. There is no host-side
-state and no host sync, so a compiled FP8 step has no graph break and can be CUDA-graphed. Eager on
-a CUDA GPU, the Triton twins of those ops run (same bits). Emulated (`emulate=True`: the CPU, or a
-GPU without FP8 tensor cores in tests) the same quantized operands are dequantized and multiplied
-in fp32: equal to the hardware path up to the order of accumulation.
+Operands, weights included, are quantized at every call with plain torch ops (kernels/quant.py)
+that Inductor fuses; no host state, no host sync, so a compiled FP8 step has no graph break and
+can be CUDA-graphed. Eager on a CUDA GPU their Triton twins run (same bits). Emulated (the CPU,
+or tests) the quantized operands are dequantized and multiplied in fp32.
 """
 
 from __future__ import annotations
@@ -67,10 +62,8 @@ def quantize_rows(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
 
 @torch.library.custom_op("moetrain::quantize_fp8_rows", mutates_args=())
 def quantize_rows_opaque(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows(x)` (last dim) as an opaque op: compiled code calls the kernel that eager
-    code and the FP8 ops' own bodies run (the Triton kernel on a CUDA GPU), so the bits agree
-    with theirs, where Inductor's fused twin may round the scale's division differently. Not
-    differentiable."""
+    """`quantize_rows(x)` (last dim) as an opaque op, so compiled code gets the eager kernel's
+    bits (Inductor's fused twin may round the scale's division differently). Not differentiable."""
     return quantize_rows(x)
 
 

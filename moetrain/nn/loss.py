@@ -1,23 +1,16 @@
 """Language-model loss: LM head + cross-entropy, chunked so the full logits never exist at once.
 
 `chunked_linear_cross_entropy(h_TD, w_VD, targets_T)` equals
-`F.cross_entropy((h_TD @ w_VD.T).float(), targets_T)` (mean over tokens). It walks the tokens in
-chunks; for each chunk it forms the fp32 logits, takes the loss and, while the logits are still at
-hand, the gradients of h and w (softmax minus one-hot). Backward then only scales the stored
-gradients, so the logits are computed once and never stored: peak extra memory is one chunk of
-logits plus a gradient of the head, instead of T x V logits in the activation graph. The head's
-gradient accumulates over chunks inside the GEMM (addmm, beta = 1) in the weight's dtype; the
-first chunk writes it (beta = 0), so no zero-filled buffer is written and read back.
+`F.cross_entropy((h_TD @ w_VD.T).float(), targets_T)` (mean over tokens). For each chunk of
+tokens it forms the fp32 logits, the loss and, while the logits are at hand, the gradients of h
+and w; backward only scales them. Peak extra memory: one chunk of logits and a head gradient,
+never T x V logits. The head's gradient accumulates in the GEMM (addmm; the first chunk writes).
+The chunk's loss and softmax-minus-onehot: kernels/cross_entropy_triton.py on CUDA with Triton,
+else its twin `_chunk_loss_and_grad` (compiled on CUDA).
 
-The chunk's loss and softmax-minus-onehot: on CUDA with Triton (bf16, fp16, fp32 logits), one
-Triton kernel (`moetrain.kernels.cross_entropy_triton`); else `_chunk_loss_and_grad`, its
-reference twin, compiled on CUDA and eager on CPU.
-
-`fp8="fp8"` (`precision.lm_head=fp8_rowwise`) takes the logits and the input gradient as FP8
-row-scaled products (`nn.fp8.scaled_mm`): each chunk of h and of the logits' gradient quantized
-per row, the weight once a call in both layouts (per vocabulary row for the logits, per column for
-the input gradient); the weight gradient stays bf16, as for the FP8 linears. "fp8-emulated" is the
-same numerics in fp32 math (the CPU).
+`fp8="fp8"` (`precision.lm_head=fp8_rowwise`) takes logits and input gradient as FP8 row-scaled
+products (`nn.fp8.scaled_mm`), the weight quantized once a call in both layouts; the weight
+gradient stays bf16. "fp8-emulated": the same numerics in fp32 math.
 """
 
 from __future__ import annotations
@@ -31,9 +24,7 @@ from moetrain.nn.fp8 import quantize_rows, quantize_rows_of_transpose, scaled_mm
 
 def _chunk_loss_and_grad(logits_CV: torch.Tensor, t_C: torch.Tensor, scale: float):
     """Summed cross-entropy of one chunk and d(scale * loss)/d(logits) = scale * (softmax -
-    onehot), in the logits' dtype. Math in fp32 (fp64 for fp64 inputs). The CPU path, and on CUDA
-    without the Triton kernel compiled: one reduction and one elementwise pass over the chunk
-    instead of eight."""
+    onehot), in the logits' dtype; math in fp32 (fp64 for fp64 inputs)."""
     acc_dtype = torch.promote_types(logits_CV.dtype, torch.float32)
     logits = logits_CV.to(acc_dtype)
     lse_C = torch.logsumexp(logits, dim=-1)

@@ -1,11 +1,8 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 and returned in x's dtype.
 
-The autograd function saves only x in its own dtype and the fp32 reciprocal RMS (one float per
-row), and recomputes the normalized row in backward. Differentiating the fp32 formula with plain
-autograd would save an fp32 copy of x and the fp32 normalized output, 8 bytes per element instead
-of 2 for bf16: with four norms per block (two pre-norms, the q and k norms) that was a third of a
-block's activation memory (docs/plan.md). `rms_norm_reference` is the plain formula, the twin the
-tests compare against.
+The autograd function saves only x in its own dtype and the fp32 reciprocal RMS per row, and
+recomputes the normalized row in backward (plain autograd of the fp32 formula would save 8 bytes
+an element instead of 2 for bf16). `rms_norm_reference` is the plain formula, the tests' twin.
 """
 
 from __future__ import annotations

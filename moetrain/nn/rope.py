@@ -1,11 +1,10 @@
 """Rotary position embedding (RoPE) in the "rotate half" layout used by Llama, OLMoE and HF.
 
 The head dimension is split into two halves [a, b]; position p rotates pair (a_i, b_i) by angle
-p * theta^(-2i/head_dim). The cosines and sines of the first `max_positions` positions are kept as
-float32 tables (buffers outside the state dict, rebuilt by `init_weights`); longer sequences, or a
-dtype wider than the tables, compute them on the spot. The tables matter under torch.compile:
-without them the compiler fuses the table's cos/sin into the kernels that apply RoPE and evaluates
-them once per element of q and k (B x heads times too often), far past its memory traffic.
+p * theta^(-2i/head_dim). The first `max_positions` positions' cos and sin are float32 tables
+(buffers outside the state dict, rebuilt by `init_weights`; without them compiled code evaluates
+cos and sin per element of q and k). Longer sequences, or a dtype wider than the tables, compute
+them on the spot.
 """
 
 from __future__ import annotations
