@@ -1,22 +1,19 @@
 """Atomic, verified, rotating checkpoints under `RUN_DIR/checkpoints/step-N/`.
 
-A save writes into `step-N.tmp/`: the DCP shards of the tensor state (model, optimizer, RNG), a
-`trainer.json` with the plain-Python state (step, loader position, counters), the resolved
-`config.yaml`, the caller's extra files (the trainer's: the run's tokenizer), and last a `manifest.json` listing every file with its size and SHA-256. Then rank 0
-renames the directory to `step-N/`. A directory without a manifest, or whose name ends in `.tmp`,
-is never picked by `latest()`; a crash mid-save therefore leaves the previous checkpoint as the
-newest complete one. A resume of several ranks lets rank 0 pick and hash (`agree_on_latest`). `verify()` rechecks sizes and hashes, so truncation or bit rot is a clear
-error instead of a confusing failure deep inside torch. A checkpoint that fails verification on
-resume (or, by its sizes, at rotation) is moved aside to `step-N.corrupt/`: never resumed from,
-never counted among the kept, never deleted. Rotation keeps the newest `keep` checkpoints that
-verify, so it never deletes the newest verified one. A failed save (a full disk) removes its
-temporary directory and raises a `CheckpointError`.
+A save writes into `step-N.tmp/`: the DCP shards of the tensor state, `trainer.json` (step, loader
+position, counters), the resolved `config.yaml`, the caller's extra files (the tokenizer), and
+last `manifest.json` (every file's size and SHA-256); then rank 0 renames it to `step-N/`.
+`latest()` never picks a directory without a manifest or ending in `.tmp`, so a crash mid-save
+leaves the previous checkpoint the newest. `verify()` rechecks sizes and hashes (truncation or bit
+rot is a clear error). A checkpoint failing verification on resume (or by its sizes at rotation)
+is moved aside to `step-N.corrupt/`: never resumed from, kept or deleted. Rotation keeps the
+newest `keep` checkpoints that verify. A failed save removes its temporary directory and raises a
+`CheckpointError`.
 
-Checkpoints may come from elsewhere, so reading one executes nothing it contains: DCP's `.metadata`
-is a pickle, read here by a restricted unpickler that admits only the classes DCP metadata is made
-of (`SafeFileSystemReader`); tensors are read by DCP with `torch.load(weights_only=True)`; and the
-few non-tensor values (the sharded optimizer's step count), which DCP's default planner would read
-with `weights_only=False`, are read with `weights_only=True` (`_SafeLoadPlanner`).
+Reading a checkpoint executes nothing it contains: DCP's `.metadata` pickle goes through an
+unpickler that admits only DCP's metadata classes (`SafeFileSystemReader`), tensors through
+`torch.load(weights_only=True)`, and the few non-tensor values, which DCP's planner would read with
+`weights_only=False`, with `weights_only=True` (`_SafeLoadPlanner`).
 """
 
 from __future__ import annotations
@@ -91,14 +88,11 @@ def save(
     keep: int = 2,
     extra_files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final directory. A write that fails on any
-    rank (a full disk, a vanished mount) removes `step-N.tmp/` and raises a CheckpointError on
-    every rank; the checkpoints already there are untouched.
-
-    Three phases, each closed by an agreement of all ranks on whether anything failed (instead
-    of a bare barrier, which would leave the other ranks waiting forever for a rank that raised):
-    rank 0 makes `step-N.tmp/`; every rank writes its DCP shards; rank 0 writes the trainer
-    state, config and manifest and renames the directory."""
+    """Collective: every rank calls it; returns the final directory. A write failing on any rank
+    removes `step-N.tmp/` and raises a CheckpointError on every rank (earlier checkpoints are
+    untouched). Three phases, each closed by all ranks agreeing whether anything failed (a bare
+    barrier would hang on a rank that raised): rank 0 makes the directory; every rank writes its
+    shards; rank 0 writes trainer state, config and manifest and renames."""
     root = Path(checkpoint_root)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
 
@@ -401,12 +395,9 @@ def latest(root: Path | str, check_hashes: bool = True, move_corrupt: bool = Fal
 
 
 def agree_on_latest(root: Path | str) -> Path | None:
-    """Collective (every rank calls it): what a resume loads. Rank 0 alone picks the newest
-    checkpoint that verifies (`latest`: each file hashed once, corrupt newer ones moved aside)
-    and every rank gets that path, so they cannot pick apart, and none hashes again (load with
-    check_hashes=False). A file rank 0 cannot read (an OSError: permissions, an I/O error) is
-    not corruption: it is the same CheckpointError on every rank, instead of one rank dying
-    while the others wait in the load."""
+    """Collective: what a resume loads. Rank 0 alone picks (`latest`, moving corrupt newer ones
+    aside) and every rank gets its path (load with check_hashes=False). A file rank 0 cannot read
+    (an OSError) is not corruption: the same CheckpointError on every rank, not a hang."""
     found = error = None
     if _rank() == 0:
         try:

@@ -1,9 +1,7 @@
 """`moetrain export` and `moetrain import`: argument parsing for Hugging Face conversion.
 
-`add_convert_parsers(subparsers)` adds both commands to the top-level parser; each sets
-`func`, a function of the parsed arguments that returns an exit code (what `moetrain.cli.main`
-calls). User errors are
-`ValueError`s, left for the top-level CLI to print.
+`add_convert_parsers(subparsers)` adds both commands; each sets `func` (parsed arguments -> exit
+code). User errors are `ValueError`s, left for the top-level CLI to print.
 """
 
 from __future__ import annotations

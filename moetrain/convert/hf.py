@@ -15,11 +15,9 @@ Weight names, moetrain -> Hugging Face (per layer i, expert j):
     blocks.i.ffn.experts.w_down_eFD      model.layers.i.mlp.experts.j.down_proj.weight  (D, F)
     norm.weight                          model.norm.weight
     lm_head.weight                       lm_head.weight (absent when embeddings are tied)
-Export writes experts in this per-expert layout, the one of the OLMoE checkpoints on the Hub:
-transformers 4.x loads it as is, and transformers 5.x fuses it on load into its 3-D
-`mlp.experts.gate_up_proj` (E, 2F, D) and `mlp.experts.down_proj` (E, D, F) (and writes the
-per-expert layout back from `save_pretrained` by default). Import reads both layouts, layer by layer.
-Both directions are exact: only renames, transposes, slices and concatenations, no arithmetic.
+Export writes this per-expert layout (the Hub's OLMoE checkpoints; transformers 5.x fuses it on
+load into 3-D `mlp.experts.gate_up_proj` (E, 2F, D) and `mlp.experts.down_proj` (E, D, F));
+import reads both layouts. Both directions are exact: renames, transposes, slices, concatenations.
 """
 
 from __future__ import annotations
@@ -71,13 +69,9 @@ _OLMOE_DEFAULTS: dict[str, Any] = {
 
 # ---- architecture ------------------------------------------------------------------------------
 def check_expressible(config: RunConfig) -> None:
-    """Raise a ValueError naming every setting that `OlmoeForCausalLM` cannot express.
-
-    OLMoE is: every layer MoE, softmax router over learned logits, top-k weights optionally
-    renormalized (`norm_topk_prob`), SwiGLU experts, no shared expert, RMSNorm qk-norm over the
-    full projections (sized d_model, so head_dim * num_heads must equal d_model), RoPE, GQA and
-    tied embeddings allowed. Training-only settings (loss weights, capacity, dispatcher,
-    precision of the expert GEMMs) do not change the weights and are not checked.
+    """Raise a ValueError naming every setting that `OlmoeForCausalLM` cannot express (OLMoE:
+    every layer MoE, softmax router, SwiGLU experts, no shared expert, qk-norm over d_model-wide
+    projections, RoPE; GQA and tied embeddings allowed). Training-only settings are not checked.
     """
     m, moe = config.model, config.moe
     problems = []
@@ -258,12 +252,9 @@ def to_hf_state_dict(
     *,
     expert_layout: ExpertLayout = "per_expert",
 ) -> dict[str, torch.Tensor]:
-    """moetrain state dict -> OlmoeForCausalLM state dict (module docstring has the names).
-
-    The returned tensors may be non-contiguous views of `model_sd`'s tensors (expert slices,
-    transposes): no copy is made here, so a writer can materialize one shard at a time.
-    `expert_layout="fused"` gives transformers 5's in-memory 3-D expert tensors instead.
-    """
+    """moetrain state dict -> OlmoeForCausalLM state dict (names: module docstring), as views of
+    `model_sd`'s tensors (no copy: a writer materializes one shard at a time).
+    `expert_layout="fused"` gives transformers 5's 3-D expert tensors instead."""
     check_expressible(config)
     shapes = moetrain_shapes(config)
     _check_names_and_shapes("moetrain state dict", model_sd, shapes)

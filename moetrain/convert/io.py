@@ -1,17 +1,13 @@
 """Files: a moetrain checkpoint <-> a Hugging Face OLMoE directory.
 
-`export_checkpoint` reads the "model" part of a checkpoint with DCP into plain world-size-1
-tensors (checkpoints hold global names and shapes, so any parallel layout loads), maps it with
-`hf.to_hf_state_dict` and writes config.json, generation_config.json, safetensors (one
-`model.safetensors`, or `model-0000k-of-0000n.safetensors` shards plus
-`model.safetensors.index.json` above `max_shard_bytes`) and the tokenizer files the checkpoint
-carries (a byte-level run's included: `AutoTokenizer` loads them and encodes as the run did). The output is built in a sibling `.tmp` directory and renamed into place,
-so a crash never leaves a half-written export. `import_hf` is the reverse: it writes a step-0
-checkpoint with only the "model" part, which `load_model_weights` loads into a freshly built model
-(training's `--init-from`). Weights are read from safetensors only: nothing here unpickles a
-weights file, and a checkpoint's DCP `.metadata` pickle is read by the restricted unpickler of
-`checkpoint.manager`, which constructs DCP metadata classes and nothing else. `safetensors` (and `tokenizers` for tokenizer files) are optional
-dependencies (`pip install moetrain[hf]`); their absence is a ValueError saying so.
+`export_checkpoint` reads a checkpoint's "model" part with DCP into world-size-1 tensors (any
+saved layout), maps it with `hf.to_hf_state_dict` and writes config.json,
+generation_config.json, safetensors (sharded with an index above `max_shard_bytes`) and the
+checkpoint's tokenizer files, built in a sibling `.tmp` directory and renamed into place.
+`import_hf` writes a step-0 checkpoint of the "model" part only, which `load_model_weights`
+loads into a fresh model (`--init-from`). Nothing is unpickled: weights come from safetensors,
+DCP metadata through checkpoint/manager.py's restricted unpickler. `safetensors` and
+`tokenizers` are optional (`moetrain[hf]`); their absence is a ValueError saying so.
 """
 
 from __future__ import annotations
@@ -92,13 +88,10 @@ def export_checkpoint(
     dtype: str | None = None,
     tokenizer: str | None = None,
 ) -> Path:
-    """Write an OlmoeForCausalLM directory for a moetrain checkpoint; returns `out_dir`.
-
-    `checkpoint_dir`: a step-N/ directory, a run directory or a checkpoints root (newest
-    checkpoint). `dtype` ("float32", "bfloat16", "float16"): cast the weights; None keeps the
-    stored dtype, so the export is bit-exact. `tokenizer`: a tokenizer.json (or its directory)
-    to use instead of the run's `data.tokenizer`, e.g. when the run's path no longer exists.
-    """
+    """Write an OlmoeForCausalLM directory for a moetrain checkpoint (a step-N/ directory, a run
+    directory or a checkpoints root); returns `out_dir`. `dtype` casts the weights (None: the
+    stored dtype, bit-exact). `tokenizer`: a tokenizer.json (or its directory) to ship instead of
+    the checkpoint's."""
     save_file = _safetensors_save_file()
     path = resolve_checkpoint(checkpoint_dir)
     out = _fresh_output_dir(out_dir)
@@ -198,10 +191,8 @@ def _write_safetensors(
 def _export_tokenizer(
     checkpoint: Path, override: str | None, config: RunConfig
 ) -> tuple[dict[str, bytes], int]:
-    """The tokenizer files to ship and the end-of-sequence id: those the checkpoint carries
-    (`override`, a tokenizer.json or its directory, replaces them), so that
-    `AutoTokenizer.from_pretrained` on the export encodes exactly as the run did; a byte-level
-    run gets a byte-level tokenizer.json (data/tokenizer_files.py)."""
+    """The tokenizer files to ship and the EOS id: those the checkpoint carries, or `override`
+    (a tokenizer.json or its directory), so the export encodes exactly as the run did."""
     from moetrain.inference import checkpoint_tokenizer
 
     try:
