@@ -32,7 +32,6 @@ FP8_E4M3_MAX = 448.0
 AMAX_EPS = 1e-12  # floor on a row's amax: an all-zero row gets a tiny scale and q = 0
 MX_BLOCK = 32
 E4M3_EMAX = 8  # floor(log2(448))
-E8M0_BIAS = 127
 E8M0_MAX_FINITE = 254
 E8M0_NAN = 255
 

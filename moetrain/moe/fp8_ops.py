@@ -4,23 +4,13 @@ on quantized operands), `quantized_weight` (a weight in the layout each product 
 
 Letters: N rows (grouped by expert), D input (reduction) dim, F output dim, e local experts.
 
-FP8 products go through `torch._scaled_grouped_mm`. Its constraints, read from the torch 2.11
-sources (GroupedBlas.cpp, ScaledGroupMM.cu, GroupMMCommon.cuh, _meta_registrations.py):
-- CUDA devices of compute capability 9.x or 10.x only (`_scaled_mm_allowed_device(sm90, sm100)`);
-  sm89 and sm120 are refused, as is ROCm here (it wants e4m3fnuz).
-- mat_a: float8_e4m3fn, row-major (stride(-1) == 1); mat_b: float8_e4m3fn, column-major in its
-  last two dims, i.e. `q.mT` of a contiguous (e, N, K) tensor. K and N must be multiples of 16
-  (16-byte TMA alignment), so D and F must be too.
-- offs: 1-D int32 cumulative end offsets, required when an operand is 2-D; fewer than 1024 groups.
-- Scales are float32. 2-D x 3-D: scale_a (M,) contiguous, one per row of mat_a; scale_b (e, N)
-  with stride(-1) == 1, one per output column per group. 2-D x 2-D (jagged K): scale_a (e*M,),
-  scale_b (e*N,), and a device-side assert requires every group but the last to be non-empty
-  with a size that is a multiple of 16 (the jagged dim is the contiguous one of both operands).
-- out_dtype must be bf16; bias and scale_result are unsupported; use_fast_accum is allowed.
-Group sizes in the 2-D x 3-D case (forward and input gradient) are unconstrained: groups start
-at row offsets, and a row of K fp8 bytes keeps 16-byte alignment; empty groups are fine. The
-weight gradient is the 2-D x 2-D case, whose group sizes come from the router (any size, empty
-experts included), so it runs in BF16 (`grouped_mm_weight_grad`).
+FP8 products go through `torch._scaled_grouped_mm` (torch 2.11 sources): compute capability 9.x
+or 10.x only; mat_a e4m3 row-major, mat_b e4m3 column-major (`q.mT` of a contiguous (e, N, K));
+K and N multiples of 16, so D and F must be; int32 cumulative end offsets, < 1024 groups; fp32
+scales, (M,) per row of mat_a and (e, N) per output column; bf16 output. In the 2-D x 3-D case
+(forward, input gradient) any group sizes work, empty included. The 2-D x 2-D case (the weight
+gradient) asserts non-empty groups of multiples of 16, which routing does not give: it runs in
+BF16 (`grouped_mm_weight_grad`).
 
 The product is two opaque ops with a registered autograd formula, traced by torch.compile without
 a graph break; inside them the Triton quantizers run on the GPU. (As an autograd.Function traced

@@ -1,10 +1,9 @@
 """Bytes on one GPU: parameters, gradients, optimizer state and activations of a pipeline stage.
 
-Parameter counts come from `model/flops.py` (the single source of truth); what a rank holds
-follows the placement of `layout.py`. Optimizer terms follow ShardedAdamW (`optim/sharded.py`,
-ZeRO-1 over dp for dense parameters and over dp / ep for experts). The activation formula is
-derived from what autograd saves for our block and is checked byte for byte against a
-materialized model in tests/test_plan.py. Nothing here imports torch.
+Parameter counts come from model/flops.py, placement from layout.py, optimizer terms from
+ShardedAdamW (ZeRO-1 over dp for dense parameters, over dp / ep for experts). The activation
+formula is what autograd saves for our block, checked byte for byte against a materialized model
+in tests/test_plan.py. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -255,17 +254,10 @@ def recomputed_swiglu_bytes(config: RunConfig, tokens: int, ep: int = 1) -> int:
 def stage_activation_bytes(
     config: RunConfig, layout: Layout, stage: int, tokens: int
 ) -> tuple[int, int]:
-    """(bytes kept per in-flight micro-batch, transient peak of the backward) for one stage.
-
-    Checkpointing (parallel/parallelize.py): none keeps everything; moe checkpoints each MoE
-    layer, keeping its input (a T D, the ffn_norm output) and recomputing router, dispatch,
-    experts and combine in the backward (the all-to-alls too); full checkpoints each block,
-    keeping only its input (a T D). The backward's transient is the recomputed part of one block
-    plus the gradients of one MoE layer's largest intermediates. Stage 0 keeps the token ids; the
-    last stage the final norm and the chunked loss's saved gradients (a T D for h, V D in the
-    weight's dtype for the head) and, transiently, a chunk of logits (bf16, an fp32 working copy,
-    the bf16 gradient); other stages hold their received input for the backward.
-    """
+    """(bytes kept per in-flight micro-batch, transient peak of the backward) for one stage,
+    under its checkpointing mode (docs/plan.md: what each mode keeps, what the first and last
+    stage add). The transient is one block's recomputed part plus the gradients of one MoE
+    layer's largest intermediates, and on the last stage a chunk of logits."""
     m, b = config.model, precision_bytes(config)
     a = b.activation
     T, D, V = tokens, m.d_model, m.vocab_size
