@@ -55,6 +55,12 @@ def test_overlap_pairs_reproduce_their_measurement_and_the_stated_assumption(tmp
     path.write_text(json.dumps({"pairs": pairs}))
     with pytest.raises(ValueError, match=r"pairs.a2a \(sigma 0.07, eta 1.5\)"):
         O.load_overlap(path)
+    # slower side by side than in turn (the H100's a2a stand-in): projected as run in turn
+    pairs["a2a"] = {"sigma": 0.29, "eta": -0.54}
+    path.write_text(json.dumps({"pairs": pairs}))
+    read = O.load_overlap(path)
+    assert read.pairs["a2a"] == O.Pair(0.0, 0.0) and "a2a (measured eta -0.54)" in read.describe()
+    assert read.pairs["fsdp_gather"] == O.Pair(0.05, 0.92)
 
 
 def test_no_overlap_file_means_the_stated_assumption(tmp_path, monkeypatch):

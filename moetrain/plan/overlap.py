@@ -8,7 +8,8 @@ eta = (t_comp + t_comm - t_pair) / min(t_comp, t_comm) (share of the shorter one
 `fsdp_reduce_scatter` (FSDP2's prefetched gathers and gradient reductions under the blocks'
 compute; GradientSync's and ShardedAdamW's reductions use the latter). `paired_s`: a share
 phi = min(1, eta (1 + sigma)) of the transfer runs beside the compute, slowing it by sigma; the
-rest is exposed (this reproduces the pair when the transfer is the shorter). Without a file:
+rest is exposed (this reproduces the pair when the transfer is the shorter); a pair measured
+with eta <= 0 (slower side by side than in turn) is projected as run in turn. Without a file:
 gathers and gradient reductions hidden (sigma 0, eta 1), all-to-alls not (eta 0), stated with
 every table. Nothing here imports torch.
 """
@@ -55,17 +56,21 @@ def load_overlap(path: str | Path) -> Overlap:
         pairs = {name: data["pairs"][name] for name in PAIRS}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"overlap file {path}: {exc!r} (needs pairs {', '.join(PAIRS)})") from None
-    out = {}
+    out, serial = {}, []
     for name, values in pairs.items():
         sigma, eta = float(values["sigma"]), float(values["eta"])
-        if sigma < 0 or not 0 <= eta <= 1:
+        if sigma < 0 or eta > 1:
             raise ValueError(
                 f"overlap file {path}: pairs.{name} (sigma {sigma}, eta {eta}) needs sigma >= 0 "
-                "and 0 <= eta <= 1"
+                "and eta <= 1"
             )
+        if eta <= 0:  # the pair ran slower side by side than one after the other: not overlapped
+            serial.append(f"{name} (measured eta {eta:.2f})")
+            sigma, eta = 0.0, 0.0
         out[name] = Pair(sigma, eta)
     where = ", ".join(str(data.get(k, "?")) for k in ("gpu", "date", "torch"))
-    return Overlap(out, f"measured: {path} ({where})")
+    note = f"; run one after the other: {', '.join(serial)}" if serial else ""
+    return Overlap(out, f"measured: {path} ({where}){note}")
 
 
 def overlap_from(path: str | Path | None) -> Overlap:

@@ -205,7 +205,7 @@ def test_triton_ops_under_torch_compile_fullgraph():
     def run(fn):  # fp32, so that eager and Inductor's fused elementwise code agree closely
         x = randn(512, 256, seed=1, device="cuda").requires_grad_()
         w_in = (randn(256, 256, seed=2, device="cuda") / 16).requires_grad_()
-        weights = torch.rand(512 * 8, device="cuda").requires_grad_()
+        weights = randn(512 * 8, seed=3, device="cuda").sigmoid().detach().requires_grad_()
         out = fn(x, w_in, weights)
         out.square().sum().backward()
         return out, x.grad, w_in.grad, weights.grad
