@@ -7,6 +7,7 @@ knows no config section. This module does not import torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -15,6 +16,20 @@ from typing import Any, Literal
 
 def fail(path: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{path} ({value!r}) {allowed}")
+
+
+@functools.cache
+def _literal_fields(cls: type) -> dict[str, tuple[Any, ...]]:
+    hints = typing.get_type_hints(cls)
+    return {k: typing.get_args(h) for k, h in hints.items() if typing.get_origin(h) is Literal}
+
+
+def check_choices(section: str, obj: Any) -> None:
+    """Every `Literal` field of the dataclass `obj` holds one of its choices."""
+    for name, choices in _literal_fields(type(obj)).items():
+        value = getattr(obj, name)
+        if value not in choices:
+            fail(f"{section}.{name}", value, f"must be one of {', '.join(choices)}")
 
 
 def build_dataclass(section: str, cls: type, values: Any) -> Any:
