@@ -23,6 +23,7 @@ from moetrain.config import (
     RunConfig,
     TrainConfig,
     layer,
+    merge,
     read_yaml,
 )
 
@@ -158,13 +159,7 @@ def load_config(preset: str | None = None, path: str | Path | None = None) -> Ru
         raise ValueError(
             f"--preset {preset} and the `preset: {named}` of {root} disagree; drop one of them"
         )
-    merged: dict = {}
-    for _, data in reversed(chain):
-        for key, values in data.items():
-            if isinstance(values, dict) and isinstance(merged.get(key), dict):
-                merged[key] = {**merged[key], **values}
-            else:
-                merged[key] = values
+    merged = functools.reduce(merge, [data for _, data in reversed(chain)], {})
     base = named or preset
     return layer(get_preset(base) if base else RunConfig(), merged)
 
