@@ -338,12 +338,8 @@ def from_hf_state_dict(
     if not config.model.tie_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
     if missing or remaining:
-        raise ValueError(
-            "Hugging Face state dict does not match the OLMoE config: "
-            + _list_names("missing", missing)
-            + ("; " if missing and remaining else "")
-            + _list_names("unexpected", sorted(remaining))
-        )
+        problem = name_mismatch(missing, sorted(remaining))
+        raise ValueError(f"Hugging Face state dict does not match the OLMoE config: {problem}")
     result = {k: v for k, v in out.items() if v is not None}
     _check_names_and_shapes("imported state dict", result, moetrain_shapes(config))
     return result
@@ -355,12 +351,8 @@ def _check_names_and_shapes(
     missing = [k for k in shapes if k not in sd]
     unexpected = [k for k in sd if k not in shapes]
     if missing or unexpected:
-        raise ValueError(
-            f"{what} does not match the config: "
-            + _list_names("missing", missing)
-            + ("; " if missing and unexpected else "")
-            + _list_names("unexpected", unexpected)
-        )
+        problem = name_mismatch(missing, unexpected)
+        raise ValueError(f"{what} does not match the config: {problem}")
     for name, shape in shapes.items():
         if tuple(sd[name].shape) != shape:
             raise ValueError(
@@ -368,8 +360,13 @@ def _check_names_and_shapes(
             )
 
 
-def _list_names(label: str, names: list[str], limit: int = 8) -> str:
-    if not names:
-        return ""
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{label} {', '.join(names[:limit])}{more}"
+def name_mismatch(
+    missing: list[str], unexpected: list[str], labels: tuple[str, str] = ("missing", "unexpected")
+) -> str:
+    """The names each side lacks, labelled, at most 8 of each shown; '' when there are none."""
+    shown = []
+    for label, names in zip(labels, (missing, unexpected), strict=True):
+        if names:
+            more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+            shown.append(f"{label} {', '.join(names[:8])}{more}")
+    return "; ".join(shown)
