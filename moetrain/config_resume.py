@@ -14,11 +14,11 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from moetrain.config import RunConfig
+from moetrain.data.tokenizer import same_files, tokenizer_file
 
 # section -> fields a resume must not change; "*" is every field of the section except those
 # listed in ALLOWED
@@ -70,7 +70,7 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
     for key, old, value in changes:
         if key == "data.sources" and _weights(old) == _weights(value):
             continue  # moved directories: the content hash still catches other data
-        if key == "data.tokenizer" and _same_file(old, value):
+        if key == "data.tokenizer" and _same_tokenizer(old, value):
             continue  # the same tokenizer.json under another (e.g. now absolute) path
         if key == "moe.bias_update_rate" and (old > 0) != (value > 0):
             raise ValueError(
@@ -92,12 +92,8 @@ def _weights(sources: list[dict[str, Any]]) -> list[float]:
     return [s["weight"] for s in sources]
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether two tokenizer specs name tokenizer.json files of the same content."""
-    files = [Path(x) / "tokenizer.json" if Path(x).is_dir() else Path(x) for x in (a, b)]
-    if "byte" in (a, b) or not all(f.is_file() for f in files):
-        return False
-    return len({hashlib.sha256(f.read_bytes()).digest() for f in files}) == 1
+def _same_tokenizer(a: str, b: str) -> bool:
+    return "byte" not in (a, b) and same_files(tokenizer_file(a), tokenizer_file(b))
 
 
 def resume_run_config(
