@@ -32,14 +32,10 @@ from moetrain.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
 ExpertLayout = Literal["per_expert", "fused"]
 
 # moetrain name inside a block -> Hugging Face name inside a decoder layer.
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _LAYER_RENAMES = {
     "attn_norm.weight": "input_layernorm.weight",
-    "attn.q_proj.weight": "self_attn.q_proj.weight",
-    "attn.k_proj.weight": "self_attn.k_proj.weight",
-    "attn.v_proj.weight": "self_attn.v_proj.weight",
-    "attn.o_proj.weight": "self_attn.o_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    **{f"attn.{n}.weight": f"self_attn.{n}.weight" for n in _ATTN},
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn.router.gate.weight": "mlp.gate.weight",
 }
