@@ -5,11 +5,8 @@ token i * seq_len: every token but the first is a target once per epoch). Epoch 
 windows in a permutation seeded by (seed, e); a global batch is world_size * batch_size
 consecutive windows of it, rank r taking the r-th slice, so the ranks together read what one
 process would. An epoch's trailing partial global batch is dropped. The state is plain ints
-independent of the rank, and a resume yields bitwise the same batches. `RandomTokenLoader`:
-uniform random ids for benchmarks, same interface. `open_data` turns a `DataConfig` into
-validated token arrays (one per source for a mix) and their tokenizer; `data_fingerprint` and
-`check_same_data` tie a resume to its data; `resolve_vocab_size` and `resolve_eos_id` fill
-config fields from the tokenizer.
+independent of the rank, and a resume yields bitwise the same batches. Also here: opening a
+`DataConfig`'s tokens, tying a resume to its data, and config fields taken from the tokenizer.
 """
 
 from __future__ import annotations
