@@ -100,42 +100,25 @@ def resume_run_config(
     run_dir: Path, requested: RunConfig, overrides: list[str], requested_from: str = ""
 ) -> RunConfig:
     """The config `--resume` trains with: the run's own config.yaml in `run_dir` with the --set
-    `overrides` (`resume_config`); a --preset or YAML given again (`requested_from` names it,
-    `requested` is what it builds) must agree with it. Without a config.yaml (a first start
-    under a requeue-safe --resume) the requested config."""
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
+    `overrides`, checked by `check_resumable`. A --preset or YAML given again (`requested_from`
+    names it, `requested` is what it builds with the same overrides) must equal it, or it would
+    change fields silently. Without a config.yaml (a first start under a requeue-safe --resume)
+    the requested config."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
         return requested
-    return resume_config(
-        RunConfig.load_yaml(saved),
-        overrides,
-        str(saved),
-        requested=requested if requested_from else None,
-        requested_from=requested_from,
-    )[0]
-
-
-def resume_config(
-    saved: RunConfig,
-    overrides: list[str],
-    source: str,
-    requested: RunConfig | None = None,
-    requested_from: str = "",
-) -> tuple[RunConfig, list[str]]:
-    """The config of a resumed run: `saved` (the run's config.yaml, at `source`) with the --set
-    `overrides`, and the list of its changes. `requested` (a --preset or YAML given again, with
-    the same overrides) must equal it, or it would change fields silently."""
+    saved = RunConfig.load_yaml(path)
     config = saved.with_overrides(overrides)
-    if requested is not None:
-        diverging = differences(config, requested)
-        if diverging:
-            shown = "; ".join(
-                f"{key} ({value!r} there, {old!r} in the run)" for key, old, value in diverging[:4]
-            )
-            more = f" and {len(diverging) - 4} more" if len(diverging) > 4 else ""
-            raise ValueError(
-                f"--resume continues the run's own config ({source}), but {requested_from} "
-                f"differs from it: {shown}{more}. Drop {requested_from} to resume as the run "
-                "was configured, or change a field with --set"
-            )
-    return config, check_resumable(saved, config, source)
+    diverging = differences(config, requested) if requested_from else []
+    if diverging:
+        shown = "; ".join(
+            f"{key} ({value!r} there, {old!r} in the run)" for key, old, value in diverging[:4]
+        )
+        more = f" and {len(diverging) - 4} more" if len(diverging) > 4 else ""
+        raise ValueError(
+            f"--resume continues the run's own config ({path}), but {requested_from} differs "
+            f"from it: {shown}{more}. Drop {requested_from} to resume as the run was configured, "
+            "or change a field with --set"
+        )
+    check_resumable(saved, config, str(path))
+    return config
