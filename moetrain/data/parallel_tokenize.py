@@ -315,10 +315,7 @@ def tokenize_units(
     text files and skipped bad records are reported on stderr."""
     records = {u.key: r for u in units if (r := work.finished(u)) is not None}
     todo = [u for u in units if u.key not in records]
-    workers = default_workers(todo) if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers ({workers}) must be >= 1")
-    workers = max(1, min(workers, len(todo)))
+    workers = max(1, min(default_workers(todo) if workers is None else workers, len(todo)))
     check = _SourceCheck(units, options.text_field)
     for unit in units:
         if unit.key in records:
