@@ -33,12 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from moetrain.data.input_readers import (
-    BadRecords,
-    ReadOptions,
-    no_documents_error,
-    read_documents,
-)
+from moetrain.data.input_readers import BadRecords, ReadOptions, read_documents
 from moetrain.data.inputs import Part, Source, source_identity, split_source, suffix_of
 from moetrain.data.progress import TokenizeProgress
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -374,7 +369,10 @@ class _SourceCheck:
             if isinstance(unit.source, Path) and suffix_of(unit.source) == ".txt":
                 self.empty.append(unit.source)
             else:
-                raise no_documents_error(unit.source, self.text_field)
+                raise ValueError(
+                    f"input {unit.source} holds no documents (no non-empty {self.text_field!r} "
+                    "text)"
+                )
         return record
 
     def totals(self) -> tuple[int, int, int]:
