@@ -11,6 +11,7 @@ Errors are `ValueError`s that name the field path, the value and what is allowed
 from __future__ import annotations
 
 import dataclasses
+import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +43,9 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "layer",
+    "merge",
     "read_yaml",
 ]
-
-SECTIONS = ("model", "moe", "parallel", "train", "data", "precision")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,14 +89,7 @@ class RunConfig:
         eos, vocab = self.data.eos_id, self.model.vocab_size
         if eos is not None and vocab is not None and eos >= vocab:
             fail("data.eos_id", eos, f"must be < model.vocab_size ({vocab})")
-        if self.train.global_batch_tokens is not None:
-            micro = self.train.micro_batch_size * self.train.seq_len * (self.parallel.dp or 1)
-            if self.train.global_batch_tokens % micro:
-                fail(
-                    "train.global_batch_tokens",
-                    self.train.global_batch_tokens,
-                    f"must be a multiple of micro_batch_size * seq_len * dp ({micro})",
-                )
+        self.grad_accum_steps(self.parallel.dp or 1)  # checks train.global_batch_tokens
 
     def _check_overlap(self) -> None:
         """moe.overlap=two_chunk runs each MoE block as two chunks of sequences, the MoE layer in
@@ -205,6 +198,9 @@ class RunConfig:
         return RunConfig.from_dict(data)
 
 
+_SECTION_TYPES = {k: v for k, v in typing.get_type_hints(RunConfig).items() if k != "name"}
+SECTIONS = tuple(_SECTION_TYPES)
+
 # fields of older configs that `_migrate` reads in today's terms
 MIGRATED = ("train.eval_batches",)
 
@@ -250,23 +246,16 @@ def layer(base: RunConfig, data: Any) -> RunConfig:
     field), validated as a whole."""
     if not isinstance(data, dict):
         return RunConfig.from_dict(data)  # its error names the problem
-    merged: dict[str, Any] = base.to_dict()
+    return RunConfig.from_dict(merge(base.to_dict(), data))
+
+
+def merge(base: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """`base` with the entries of `data` over it; a section's mapping is merged field by field."""
+    merged = dict(base)
     for key, values in data.items():
-        if isinstance(values, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **values}
-        else:
-            merged[key] = values
-    return RunConfig.from_dict(merged)
-
-
-_SECTION_TYPES = {
-    "model": ModelConfig,
-    "moe": MoEConfig,
-    "parallel": ParallelConfig,
-    "train": TrainConfig,
-    "data": DataConfig,
-    "precision": PrecisionConfig,
-}
+        both = isinstance(values, dict) and isinstance(merged.get(key), dict)
+        merged[key] = {**merged[key], **values} if both else values
+    return merged
 
 
 # Fields that existed once -> why they went. Absent or false is today's behaviour (so the

@@ -14,11 +14,11 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from moetrain.config import RunConfig
+from moetrain.data.tokenizer import same_files, tokenizer_file
 
 # section -> fields a resume must not change; "*" is every field of the section except those
 # listed in ALLOWED
@@ -70,7 +70,7 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
     for key, old, value in changes:
         if key == "data.sources" and _weights(old) == _weights(value):
             continue  # moved directories: the content hash still catches other data
-        if key == "data.tokenizer" and _same_file(old, value):
+        if key == "data.tokenizer" and _same_tokenizer(old, value):
             continue  # the same tokenizer.json under another (e.g. now absolute) path
         if key == "moe.bias_update_rate" and (old > 0) != (value > 0):
             raise ValueError(
@@ -92,54 +92,33 @@ def _weights(sources: list[dict[str, Any]]) -> list[float]:
     return [s["weight"] for s in sources]
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether two tokenizer specs name tokenizer.json files of the same content."""
-    files = [Path(x) / "tokenizer.json" if Path(x).is_dir() else Path(x) for x in (a, b)]
-    if "byte" in (a, b) or not all(f.is_file() for f in files):
-        return False
-    return len({hashlib.sha256(f.read_bytes()).digest() for f in files}) == 1
+def _same_tokenizer(a: str, b: str) -> bool:
+    return "byte" not in (a, b) and same_files(tokenizer_file(a), tokenizer_file(b))
 
 
 def resume_run_config(
     run_dir: Path, requested: RunConfig, overrides: list[str], requested_from: str = ""
 ) -> RunConfig:
     """The config `--resume` trains with: the run's own config.yaml in `run_dir` with the --set
-    `overrides` (`resume_config`); a --preset or YAML given again (`requested_from` names it,
-    `requested` is what it builds) must agree with it. Without a config.yaml (a first start
-    under a requeue-safe --resume) the requested config."""
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
+    `overrides`, checked by `check_resumable`. A --preset or YAML given again (`requested_from`
+    names it, `requested` is what it builds with the same overrides) must equal it, or it would
+    change fields silently. Without a config.yaml (a first start under a requeue-safe --resume)
+    the requested config."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
         return requested
-    return resume_config(
-        RunConfig.load_yaml(saved),
-        overrides,
-        str(saved),
-        requested=requested if requested_from else None,
-        requested_from=requested_from,
-    )[0]
-
-
-def resume_config(
-    saved: RunConfig,
-    overrides: list[str],
-    source: str,
-    requested: RunConfig | None = None,
-    requested_from: str = "",
-) -> tuple[RunConfig, list[str]]:
-    """The config of a resumed run: `saved` (the run's config.yaml, at `source`) with the --set
-    `overrides`, and the list of its changes. `requested` (a --preset or YAML given again, with
-    the same overrides) must equal it, or it would change fields silently."""
+    saved = RunConfig.load_yaml(path)
     config = saved.with_overrides(overrides)
-    if requested is not None:
-        diverging = differences(config, requested)
-        if diverging:
-            shown = "; ".join(
-                f"{key} ({value!r} there, {old!r} in the run)" for key, old, value in diverging[:4]
-            )
-            more = f" and {len(diverging) - 4} more" if len(diverging) > 4 else ""
-            raise ValueError(
-                f"--resume continues the run's own config ({source}), but {requested_from} "
-                f"differs from it: {shown}{more}. Drop {requested_from} to resume as the run "
-                "was configured, or change a field with --set"
-            )
-    return config, check_resumable(saved, config, source)
+    diverging = differences(config, requested) if requested_from else []
+    if diverging:
+        shown = "; ".join(
+            f"{key} ({value!r} there, {old!r} in the run)" for key, old, value in diverging[:4]
+        )
+        more = f" and {len(diverging) - 4} more" if len(diverging) > 4 else ""
+        raise ValueError(
+            f"--resume continues the run's own config ({path}), but {requested_from} differs "
+            f"from it: {shown}{more}. Drop {requested_from} to resume as the run was configured, "
+            "or change a field with --set"
+        )
+    check_resumable(saved, config, str(path))
+    return config

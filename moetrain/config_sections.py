@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from moetrain.config_types import fail
+from moetrain.config_types import check_choices, fail
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -24,12 +24,6 @@ def _non_negative(section: str, obj: Any, *names: str) -> None:
         value = getattr(obj, name)
         if value < 0:
             fail(f"{section}.{name}", value, "must be >= 0")
-
-
-def _choice(section: str, obj: Any, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(obj, name)
-    if value not in choices:
-        fail(f"{section}.{name}", value, f"must be one of {', '.join(choices)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +79,7 @@ class ModelConfig:
                 self.num_dense_layers,
                 f"must be between 0 and model.num_layers ({self.num_layers})",
             )
-        _choice(s, self, "attention_backend", ("auto", "cudnn", "flash", "efficient", "math"))
+        check_choices(s, self)
 
     @property
     def kv_heads(self) -> int:
@@ -131,11 +125,7 @@ class MoEConfig:
         )
         if self.top_k > self.num_experts:
             fail("moe.top_k", self.top_k, f"must be <= moe.num_experts ({self.num_experts})")
-        _choice(s, self, "score_func", ("softmax", "sigmoid"))
-        _choice(s, self, "routing", ("learned", "random"))
-        _choice(s, self, "lb_scope", ("micro_batch", "global_batch"))
-        _choice(s, self, "dispatcher", ("auto", "local", "all_to_all", "no_sync"))
-        _choice(s, self, "overlap", ("none", "two_chunk"))
+        check_choices(s, self)
         if self.dispatcher == "no_sync" and self.capacity_factor is None:
             fail(
                 "moe.dispatcher",
@@ -175,11 +165,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         s = "parallel"
         _positive(s, self, "dp", "ep", "pp", "pp_microbatches", "fsdp_shard_size")
-        _choice(s, self, "backend", ("auto", "nccl", "gloo"))
-        _choice(s, self, "pp_schedule", ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
-        _choice(s, self, "data_parallel", ("ddp", "fsdp"))
-        _choice(s, self, "fsdp_reshard", ("forward", "backward", "step"))
-        _choice(s, self, "activation_checkpointing", ("none", "moe", "full"))
+        check_choices(s, self)
 
     def compiles(self, device_type: str) -> bool:
         """Whether blocks are compiled on this device: `compile`, where None means on for CUDA
@@ -273,9 +259,7 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
-        _choice(s, self, "schedule", ("cosine", "linear", "wsd", "constant"))
-        _choice(s, self, "optimizer", ("adamw", "sharded"))
-        _choice(s, self, "adamw_kernel", ("auto", "torch", "triton"))
+        check_choices(s, self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,9 +369,4 @@ class PrecisionConfig:
 
     def __post_init__(self) -> None:
         s = "precision"
-        _choice(s, self, "param_dtype", ("auto", "fp32", "bf16"))
-        _choice(s, self, "grad_dtype", ("fp32", "bf16"))
-        _choice(s, self, "experts", ("bf16", "fp8_rowwise", "mxfp8"))
-        _choice(s, self, "linear", ("bf16", "fp8_rowwise"))
-        _choice(s, self, "lm_head", ("bf16", "fp8_rowwise"))
-        _choice(s, self, "dispatch", ("bf16", "fp8"))
+        check_choices(s, self)

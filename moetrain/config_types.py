@@ -7,6 +7,7 @@ knows no config section. This module does not import torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -17,20 +18,37 @@ def fail(path: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{path} ({value!r}) {allowed}")
 
 
+@functools.cache
+def _literal_fields(cls: type) -> dict[str, tuple[Any, ...]]:
+    hints = typing.get_type_hints(cls)
+    return {k: typing.get_args(h) for k, h in hints.items() if typing.get_origin(h) is Literal}
+
+
+def check_choices(section: str, obj: Any) -> None:
+    """Every `Literal` field of the dataclass `obj` holds one of its choices."""
+    for name, choices in _literal_fields(type(obj)).items():
+        value = getattr(obj, name)
+        if value not in choices:
+            fail(f"{section}.{name}", value, f"must be one of {', '.join(choices)}")
+
+
 def build_dataclass(section: str, cls: type, values: Any) -> Any:
     """`cls` from a mapping of its fields (each coerced to its hint), or `values` if it is one."""
     if isinstance(values, cls):
         return values
     if not isinstance(values, dict):
         raise ValueError(f"{section} must be a mapping of fields, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
     unknown = set(values) - names
     if unknown:
         listed = ", ".join(f"{section}.{k}" for k in sorted(map(str, unknown)))
         raise ValueError(f"unknown field(s) {listed}; {section} has: {', '.join(sorted(names))}")
-    kwargs = {k: coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
-    return cls(**kwargs)
+    missing = [f.name for f in fields if f.name not in values and f.default is dataclasses.MISSING]
+    if missing:
+        fail(section, values, f"lacks the field(s) {', '.join(missing)}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()})
 
 
 def coerce(path: str, hint: Any, value: Any) -> Any:
@@ -86,27 +104,7 @@ def coerce(path: str, hint: Any, value: Any) -> Any:
         item = typing.get_args(hint)[0]
         return tuple(coerce(f"{path}[{i}]", item, v) for i, v in enumerate(value))
     if dataclasses.is_dataclass(hint):  # a mapping in YAML
-        if isinstance(value, hint):
-            return value
-        if not isinstance(value, dict):
-            fail(path, value, "must be a mapping")
-        names = {f.name for f in dataclasses.fields(hint)}
-        unknown = set(value) - names
-        if unknown:
-            fail(
-                path,
-                value,
-                f"has unknown key(s) {sorted(map(str, unknown))}; allowed: {', '.join(sorted(names))}",
-            )
-        missing = [
-            f.name
-            for f in dataclasses.fields(hint)
-            if f.name not in value and f.default is dataclasses.MISSING
-        ]
-        if missing:
-            fail(path, value, f"lacks the key(s) {', '.join(missing)}")
-        hints = typing.get_type_hints(hint)
-        return hint(**{k: coerce(f"{path}.{k}", hints[k], v) for k, v in value.items()})
+        return build_dataclass(path, hint, value)
     raise AssertionError(f"unsupported config type {hint} for {path}")
 
 

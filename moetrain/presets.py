@@ -11,6 +11,7 @@ for `moetrain plan` and `moetrain train --dry-run` (docs/plan.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from moetrain.config import (
     RunConfig,
     TrainConfig,
     layer,
+    merge,
     read_yaml,
 )
 
@@ -68,101 +70,40 @@ def demo() -> RunConfig:
     )
 
 
-def _olmoe(
-    name: str,
-    *,
-    d_model: int,
-    num_layers: int,
-    num_experts: int,
-    top_k: int,
-    expert_hidden: int,
-    seq_len: int,
-    micro_batch_size: int,
-    num_heads: int = 16,
-) -> RunConfig:
+# The OLMoE-block presets: (d_model, num_layers, num_heads, num_experts, top_k, expert_hidden,
+# seq_len, micro_batch_size). ref-47b is the reference's 47B expert-scaling model (128 experts,
+# top-4): 47.06B parameters, 3.18B active counting the input embedding as the reference does; its
+# unpublished dimensions are derived from the reported totals in docs/plan.md.
+_OLMOE = {
+    "small": (1024, 8, 16, 64, 8, 512, 2048, 8),
+    "olmoe8": (2048, 8, 16, 64, 8, 1024, 4096, 4),
+    "olmoe-1b-7b": (2048, 16, 16, 64, 8, 1024, 4096, 4),
+    **{f"scale-E{e}": (1024, 12, 16, e, 4, 1024, 4096, 8) for e in (8, 16, 32, 64, 128)},
+    "ref-47b": (4096, 20, 32, 128, 4, 1440, 4096, 4),
+}
+
+
+def _olmoe(name: str) -> RunConfig:
+    d_model, num_layers, num_heads, num_experts, top_k, expert_hidden, seq_len, micro = _OLMOE[name]
     return RunConfig(
         name=name,
         model=ModelConfig(
             vocab_size=50304, d_model=d_model, num_layers=num_layers, num_heads=num_heads
         ),
         moe=MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=expert_hidden),
-        train=TrainConfig(seq_len=seq_len, micro_batch_size=micro_batch_size),
+        train=TrainConfig(seq_len=seq_len, micro_batch_size=micro),
     )
 
 
-def small() -> RunConfig:
-    return _olmoe(
-        "small",
-        d_model=1024,
-        num_layers=8,
-        num_experts=64,
-        top_k=8,
-        expert_hidden=512,
-        seq_len=2048,
-        micro_batch_size=8,
-    )
-
-
-def olmoe8() -> RunConfig:
-    return _olmoe(
-        "olmoe8",
-        d_model=2048,
-        num_layers=8,
-        num_experts=64,
-        top_k=8,
-        expert_hidden=1024,
-        seq_len=4096,
-        micro_batch_size=4,
-    )
-
-
-def olmoe_1b_7b() -> RunConfig:
-    return _olmoe(
-        "olmoe-1b-7b",
-        d_model=2048,
-        num_layers=16,
-        num_experts=64,
-        top_k=8,
-        expert_hidden=1024,
-        seq_len=4096,
-        micro_batch_size=4,
-    )
-
-
-def _scale(num_experts: int) -> Callable[[], RunConfig]:
-    def preset() -> RunConfig:
-        return _olmoe(
-            f"scale-E{num_experts}",
-            d_model=1024,
-            num_layers=12,
-            num_experts=num_experts,
-            top_k=4,
-            expert_hidden=1024,
-            seq_len=4096,
-            micro_batch_size=8,
-        )
-
-    return preset
-
-
-def ref_47b() -> RunConfig:
-    """The reference's 47B expert-scaling model (128 experts, top-4) in the OLMoE block: 47.06B
-    parameters, 3.18B active counting the input embedding as the reference does. Its
-    unpublished dimensions are derived from the reported totals in docs/plan.md."""
-    return _olmoe(
-        "ref-47b",
-        d_model=4096,
-        num_layers=20,
-        num_heads=32,
-        num_experts=128,
-        top_k=4,
-        expert_hidden=1440,
-        seq_len=4096,
-        micro_batch_size=4,
-    )
+small = functools.partial(_olmoe, "small")
 
 
 def _trillion(name: str, num_experts: int) -> RunConfig:
+    """trillion-1.2t: the reference trillion-scale run's totals in the OLMoE block, 1.195T
+    parameters, 58.57B active per token (reported: about 1.2T and 58.36B), with random routing
+    as in the reference measurement, the dropless exact-split dispatcher, pp 16 x ep 8 without
+    checkpointing (the arithmetic and the layout's choice: docs/plan.md). trillion-2.4t: the
+    reference capacity run's scale, the same model with 512 experts, 2.37T parameters."""
     return RunConfig(
         name=name,
         model=ModelConfig(vocab_size=50304, d_model=7168, num_layers=104, num_heads=56),
@@ -178,29 +119,12 @@ def _trillion(name: str, num_experts: int) -> RunConfig:
     )
 
 
-def trillion_1_2t() -> RunConfig:
-    """The reference trillion-scale run's totals in the OLMoE block: 1.195T parameters, 58.57B
-    active per token (reported: about 1.2T and 58.36B). Random routing as in the reference
-    measurement, the dropless exact-split dispatcher, pp 16 x ep 8 without checkpointing; the
-    arithmetic and the layout's choice: docs/plan.md."""
-    return _trillion("trillion-1.2t", 256)
-
-
-def trillion_2_4t() -> RunConfig:
-    """The reference capacity run's scale: the same model with 512 experts, 2.37T parameters."""
-    return _trillion("trillion-2.4t", 512)
-
-
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "demo": demo,
-    "small": small,
-    "olmoe8": olmoe8,
-    "olmoe-1b-7b": olmoe_1b_7b,
-    **{f"scale-E{e}": _scale(e) for e in (8, 16, 32, 64, 128)},
-    "ref-47b": ref_47b,
-    "trillion-1.2t": trillion_1_2t,
-    "trillion-2.4t": trillion_2_4t,
+    **{name: functools.partial(_olmoe, name) for name in _OLMOE},
+    "trillion-1.2t": functools.partial(_trillion, "trillion-1.2t", 256),
+    "trillion-2.4t": functools.partial(_trillion, "trillion-2.4t", 512),
 }
 
 
@@ -227,13 +151,7 @@ def load_config(preset: str | None = None, path: str | Path | None = None) -> Ru
         raise ValueError(
             f"--preset {preset} and the `preset: {named}` of {root} disagree; drop one of them"
         )
-    merged: dict = {}
-    for _, data in reversed(chain):
-        for key, values in data.items():
-            if isinstance(values, dict) and isinstance(merged.get(key), dict):
-                merged[key] = {**merged[key], **values}
-            else:
-                merged[key] = values
+    merged = functools.reduce(merge, [data for _, data in reversed(chain)], {})
     base = named or preset
     return layer(get_preset(base) if base else RunConfig(), merged)
 

@@ -8,11 +8,11 @@ import pytest
 import yaml
 
 from moetrain.cli import main
-from moetrain.config_resume import check_resumable, is_frozen, resume_config
+from moetrain.config_resume import check_resumable, is_frozen, resume_run_config
 from moetrain.presets import tiny
 
 
-def test_frozen_and_free_fields():
+def test_frozen_and_free_fields(tmp_path):
     assert is_frozen("model.d_model") and is_frozen("moe.top_k") and is_frozen("train.seq_len")
     assert is_frozen("data.tokenizer") and is_frozen("precision.master_weights")
     assert is_frozen("train.eval_sequences") and is_frozen("data.eval_sets")  # fix the eval rows
@@ -23,10 +23,9 @@ def test_frozen_and_free_fields():
     assert lines == ["train.steps: 50 -> 80"]
     with pytest.raises(ValueError, match=r"moe\.top_k cannot change on --resume \(2 in x.yaml"):
         check_resumable(saved, saved.with_overrides(["moe.top_k=1"]), "x.yaml")
+    saved.with_overrides(["train.lr=1e-3"]).save_yaml(tmp_path / "config.yaml")
     with pytest.raises(ValueError, match=r"--preset tiny differs from it: train\.lr \(0\.003 "):
-        resume_config(
-            saved.with_overrides(["train.lr=1e-3"]), [], "c.yaml", tiny(), "--preset tiny"
-        )
+        resume_run_config(tmp_path, tiny(), [], "--preset tiny")
 
 
 def test_a_mix_may_move_but_not_reweigh():

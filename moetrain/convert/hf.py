@@ -32,14 +32,10 @@ from moetrain.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
 ExpertLayout = Literal["per_expert", "fused"]
 
 # moetrain name inside a block -> Hugging Face name inside a decoder layer.
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _LAYER_RENAMES = {
     "attn_norm.weight": "input_layernorm.weight",
-    "attn.q_proj.weight": "self_attn.q_proj.weight",
-    "attn.k_proj.weight": "self_attn.k_proj.weight",
-    "attn.v_proj.weight": "self_attn.v_proj.weight",
-    "attn.o_proj.weight": "self_attn.o_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    **{f"attn.{n}.weight": f"self_attn.{n}.weight" for n in _ATTN},
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn.router.gate.weight": "mlp.gate.weight",
 }
@@ -338,12 +334,8 @@ def from_hf_state_dict(
     if not config.model.tie_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
     if missing or remaining:
-        raise ValueError(
-            "Hugging Face state dict does not match the OLMoE config: "
-            + _list_names("missing", missing)
-            + ("; " if missing and remaining else "")
-            + _list_names("unexpected", sorted(remaining))
-        )
+        problem = name_mismatch(missing, sorted(remaining))
+        raise ValueError(f"Hugging Face state dict does not match the OLMoE config: {problem}")
     result = {k: v for k, v in out.items() if v is not None}
     _check_names_and_shapes("imported state dict", result, moetrain_shapes(config))
     return result
@@ -355,12 +347,8 @@ def _check_names_and_shapes(
     missing = [k for k in shapes if k not in sd]
     unexpected = [k for k in sd if k not in shapes]
     if missing or unexpected:
-        raise ValueError(
-            f"{what} does not match the config: "
-            + _list_names("missing", missing)
-            + ("; " if missing and unexpected else "")
-            + _list_names("unexpected", unexpected)
-        )
+        problem = name_mismatch(missing, unexpected)
+        raise ValueError(f"{what} does not match the config: {problem}")
     for name, shape in shapes.items():
         if tuple(sd[name].shape) != shape:
             raise ValueError(
@@ -368,8 +356,13 @@ def _check_names_and_shapes(
             )
 
 
-def _list_names(label: str, names: list[str], limit: int = 8) -> str:
-    if not names:
-        return ""
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{label} {', '.join(names[:limit])}{more}"
+def name_mismatch(
+    missing: list[str], unexpected: list[str], labels: tuple[str, str] = ("missing", "unexpected")
+) -> str:
+    """The names each side lacks, labelled, at most 8 of each shown; '' when there are none."""
+    shown = []
+    for label, names in zip(labels, (missing, unexpected), strict=True):
+        if names:
+            more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+            shown.append(f"{label} {', '.join(names[:8])}{more}")
+    return "; ".join(shown)

@@ -30,6 +30,7 @@ from moetrain.convert.hf import (
     check_expressible,
     from_hf_state_dict,
     hf_config_dict,
+    name_mismatch,
     run_config_from_hf,
     to_hf_state_dict,
 )
@@ -44,11 +45,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 # ---- moetrain checkpoints ----------------------------------------------------------------------
-def resolve_checkpoint(path: str | Path) -> Path:
-    """`manager.resolve` without hashing (export and weight loading verify the one they use)."""
-    return manager.resolve(path, check_hashes=False)
-
-
 def stored_model_tensors(checkpoint: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Global shape and dtype of every tensor of the checkpoint's "model" part, by name."""
     metadata = manager.read_metadata(checkpoint)
@@ -66,7 +62,7 @@ def load_model_weights(
     in place into `model_state` (the same `model.state_dict()` the trainer saves); optimizer and
     RNG state are not touched. Returns the checkpoint's trainer state. Names that differ between
     the checkpoint and the model are a ValueError listing them."""
-    path = resolve_checkpoint(checkpoint)
+    path = manager.resolve(checkpoint, check_hashes=False)
     manager.verify(path)
     problem = _key_mismatch(
         model_state, stored_model_tensors(path), "missing in the checkpoint", "not in the model"
@@ -92,8 +88,8 @@ def export_checkpoint(
     directory or a checkpoints root); returns `out_dir`. `dtype` casts the weights (None: the
     stored dtype, bit-exact). `tokenizer`: a tokenizer.json (or its directory) to ship instead of
     the checkpoint's."""
-    save_file = _safetensors_save_file()
-    path = resolve_checkpoint(checkpoint_dir)
+    save_file = _safetensors().save_file
+    path = manager.resolve(checkpoint_dir, check_hashes=False)
     out = _fresh_output_dir(out_dir)
     manager.verify(path)
     config = RunConfig.load_yaml(path / "config.yaml")
@@ -112,7 +108,7 @@ def export_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     _write_safetensors(hf_sd, tmp, max_shard_bytes, cast, save_file)
-    dtype_name = _dtype_name(cast or stored_dtype)
+    dtype_name = str(cast or stored_dtype).removeprefix("torch.")
     hf_config = hf_config_dict(config, dtype=dtype_name, eos_token_id=eos_token_id)
     _write_json(tmp / "config.json", hf_config)
     eos = hf_config["eos_token_id"]
@@ -215,7 +211,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, name: str | None = Non
     """Write a step-0 moetrain checkpoint (weights only) of an OlmoeForCausalLM directory under
     `out_dir/checkpoints/`; returns the checkpoint path. Tokenizer files, if any, are copied to
     `out_dir/tokenizer/` and the checkpoint's config points `data.tokenizer` at them."""
-    load_file = _safetensors_load_file()
+    load_file = _safetensors().load_file
     hf_dir, out = Path(hf_dir), Path(out_dir)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
@@ -283,26 +279,15 @@ def _weight_files(hf_dir: Path) -> list[Path]:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def _safetensors_save_file() -> Any:
+def _safetensors() -> Any:
     try:
-        from safetensors.torch import save_file
+        import safetensors.torch
     except ImportError:
-        raise ValueError(_MISSING_SAFETENSORS) from None
-    return save_file
-
-
-def _safetensors_load_file() -> Any:
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise ValueError(_MISSING_SAFETENSORS) from None
-    return load_file
-
-
-_MISSING_SAFETENSORS = (
-    "Hugging Face export/import needs the optional `safetensors` package: "
-    "pip install 'moetrain[hf]' (or pip install safetensors)"
-)
+        raise ValueError(
+            "Hugging Face export/import needs the optional `safetensors` package: "
+            "pip install 'moetrain[hf]' (or pip install safetensors)"
+        ) from None
+    return safetensors.torch
 
 
 def _fresh_output_dir(out_dir: str | Path) -> Path:
@@ -321,24 +306,11 @@ def _readable_by_all(directory: Path) -> None:
         path.chmod(0o666 & ~umask)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _key_mismatch(expected, stored, missing_label: str, unexpected_label: str) -> str:
     """'' when the two key sets agree, else the keys each side lacks, labelled."""
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    separator = "; " if missing and unexpected else ""
-    return f"{_names(missing_label, missing)}{separator}{_names(unexpected_label, unexpected)}"
-
-
-def _names(label: str, names: list[str], limit: int = 8) -> str:
-    if not names:
-        return ""
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{label}: {', '.join(names[:limit])}{more}"
+    missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    return name_mismatch(missing, unexpected, (f"{missing_label}:", f"{unexpected_label}:"))

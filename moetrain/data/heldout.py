@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from moetrain.config import DataConfig
-from moetrain.data.corpus import embedded_corpus
-from moetrain.data.loader import EMBEDDED_VAL_FRACTION, vocabulary
+from moetrain.data.loader import training_dirs, vocabulary
 from moetrain.data.tokens import fingerprint, load_split, read_meta
 
 IGNORE = -100  # a target that is not scored (padding, a multiple-choice context)
@@ -54,15 +53,6 @@ class WindowRows:
             start = (int(window) - int(self._starts[array])) * self.seq_len
             row[:] = self.arrays[array][start : start + self.seq_len + 1]
         return out[:, :-1], out[:, 1:]
-
-
-def training_dirs(cfg: DataConfig) -> list[Path]:
-    """The token directories a run trains on (the embedded corpus's cache directory for none)."""
-    if cfg.sources:
-        return [Path(s.path) for s in cfg.sources]
-    if cfg.path is not None:
-        return [Path(cfg.path)]
-    return [embedded_corpus(cfg.tokenizer, cfg.val_fraction or EMBEDDED_VAL_FRACTION)]
 
 
 def open_eval_set(cfg: DataConfig, path: str | Path, vocab_size: int, what: str) -> list:

@@ -100,10 +100,6 @@ def read_documents(
     return (text for text in reader if text)
 
 
-def no_documents_error(source: Source, text_field: str) -> ValueError:
-    return ValueError(f"input {source} holds no documents (no non-empty {text_field!r} text)")
-
-
 def _decode(data: bytes, options: ReadOptions) -> str:
     return data.decode("utf-8", errors="replace" if options.replace_bad_bytes else "strict")
 

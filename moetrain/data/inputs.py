@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import glob
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,37 +90,42 @@ def expand_inputs(inputs: list[str | Path | NamedDataset]) -> list[Source]:
     """Files, saved datasets, directories and glob patterns -> the sources, each once, in order
     (the inputs' order; inside a directory or a pattern, sorted by path). Named datasets
     (`load_named_dataset`) pass through."""
+    what = f"input file of a known type ({', '.join(SUFFIXES)})"
+    types = f"one of {', '.join(SUFFIXES)} or a Hugging Face dataset directory"
+    known = lambda p: is_hf_dataset(p) or (p.is_file() and suffix_of(p) is not None)  # noqa: E731
     sources: list[Source] = []
     for spec in inputs:
-        if isinstance(spec, NamedDataset):
-            sources.append(spec)
-            continue
-        path = Path(spec)
-        if glob.has_magic(str(spec)) and not path.exists():
-            matches = [Path(p) for p in sorted(glob.glob(str(spec), recursive=True))]
-            found = [p for p in matches if is_hf_dataset(p) or (p.is_file() and suffix_of(p))]
-            if not found:
-                raise ValueError(f"the pattern {spec} matches no input file of a known type")
-            sources.extend(found)
-        elif is_hf_dataset(path):
-            sources.append(path)
-        elif path.is_dir():
-            found = _walk(path)
-            if not found:
-                raise ValueError(
-                    f"input directory {path} holds no file of a known type ({', '.join(SUFFIXES)})"
-                )
-            sources.extend(found)
-        elif path.is_file():
-            if suffix_of(path) is None:
-                raise ValueError(
-                    f"input file {path} has an unsupported type; expected one of "
-                    f"{', '.join(SUFFIXES)} or a Hugging Face dataset directory"
-                )
-            sources.append(path)
-        else:
-            raise ValueError(f"input file {path} does not exist")
+        named = isinstance(spec, NamedDataset)
+        sources.extend([spec] if named else expand_paths(spec, known, _walk, what, types))
     return list(dict.fromkeys(sources))
+
+
+def expand_paths(
+    spec: str | Path,
+    known: Callable[[Path], bool],
+    walk: Callable[[Path], list[Path]],
+    what: str,
+    types: str,
+) -> list[Path]:
+    """The inputs one spec names: a glob pattern's matches (sorted), a directory's `walk`, or
+    the file itself; `known` tells an input of the right type, `what` and `types` name them in
+    errors."""
+    path = Path(spec)
+    if glob.has_magic(str(spec)) and not path.exists():
+        found = [p for p in map(Path, sorted(glob.glob(str(spec), recursive=True))) if known(p)]
+        if not found:
+            raise ValueError(f"the pattern {spec} matches no {what}")
+        return found
+    if path.is_dir() and not known(path):
+        found = walk(path)
+        if not found:
+            raise ValueError(f"input directory {path} holds no {what}")
+        return found
+    if not path.exists():
+        raise ValueError(f"input file {path} does not exist")
+    if not known(path):
+        raise ValueError(f"input file {path} has an unsupported type; expected {types}")
+    return [path]
 
 
 def load_named_dataset(name: str, config: str | None = None, split: str = "train") -> NamedDataset:

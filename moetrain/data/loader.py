@@ -5,11 +5,8 @@ token i * seq_len: every token but the first is a target once per epoch). Epoch 
 windows in a permutation seeded by (seed, e); a global batch is world_size * batch_size
 consecutive windows of it, rank r taking the r-th slice, so the ranks together read what one
 process would. An epoch's trailing partial global batch is dropped. The state is plain ints
-independent of the rank, and a resume yields bitwise the same batches. `RandomTokenLoader`:
-uniform random ids for benchmarks, same interface. `open_data` turns a `DataConfig` into
-validated token arrays (one per source for a mix) and their tokenizer; `data_fingerprint` and
-`check_same_data` tie a resume to its data; `resolve_vocab_size` and `resolve_eos_id` fill
-config fields from the tokenizer.
+independent of the rank, and a resume yields bitwise the same batches. Also here: opening a
+`DataConfig`'s tokens, tying a resume to its data, and config fields taken from the tokenizer.
 """
 
 from __future__ import annotations
@@ -26,7 +23,13 @@ import torch
 
 from moetrain.config import DataConfig, RunConfig
 from moetrain.data.corpus import embedded_corpus
-from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from moetrain.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    same_files,
+    tokenizer_file,
+)
 from moetrain.data.tokens import fingerprint, load_dir_tokenizer, load_split, read_meta
 
 EMBEDDED_VAL_FRACTION = 0.05  # data.val_fraction None: the embedded corpus's held-out share
@@ -47,6 +50,16 @@ def check_shard_args(seq_len: int, batch_size: int, rank: int, world_size: int) 
 
 def _split_pair(batch_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch_BS1[:, :-1].contiguous(), batch_BS1[:, 1:].contiguous()
+
+
+def device_batch(rows_BS1: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of token rows, on `device`. On CUDA the rows go through pinned memory so
+    the copy to the GPU can run asynchronously; the caching host allocator keeps the buffer alive
+    until that copy has finished."""
+    on_cuda = device.type == "cuda"
+    host_BS1 = torch.empty(rows_BS1.shape, dtype=torch.int64, pin_memory=on_cuda)
+    host_BS1.numpy()[...] = rows_BS1
+    return _split_pair(host_BS1.to(device, non_blocking=on_cuda))
 
 
 class SequenceLoader:
@@ -112,12 +125,7 @@ class SequenceLoader:
         if self.index == self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
         positions_BS1 = windows_B[:, None] * self.seq_len + self._offsets_S1
-        on_cuda = self.device.type == "cuda"
-        # On CUDA the gather lands in pinned memory so the copy to the GPU can run asynchronously;
-        # the caching host allocator keeps the buffer alive until that copy has finished.
-        host_BS1 = torch.empty(positions_BS1.shape, dtype=torch.int64, pin_memory=on_cuda)
-        host_BS1.numpy()[...] = self.tokens[positions_BS1]
-        return _split_pair(host_BS1.to(self.device, non_blocking=on_cuda))
+        return device_batch(self.tokens[positions_BS1], self.device)
 
     def state_dict(self) -> dict[str, int]:
         """Position as (epoch, windows consumed in the epoch): independent of how the windows
@@ -322,14 +330,19 @@ def data_fingerprint(cfg: DataConfig) -> str | None:
     sources' in order); None for random tokens."""
     if cfg.random_tokens:
         return None
+    parts = [fingerprint(d) for d in training_dirs(cfg)]
+    if not cfg.sources:
+        return parts[0]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def training_dirs(cfg: DataConfig) -> list[Path]:
+    """The token directories a run trains on (the embedded corpus's cache directory for none)."""
     if cfg.sources:
-        parts = [fingerprint(s.path) for s in cfg.sources]
-        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
-    if cfg.path is None:
-        return fingerprint(
-            embedded_corpus(cfg.tokenizer, cfg.val_fraction or EMBEDDED_VAL_FRACTION)
-        )
-    return fingerprint(cfg.path)
+        return [Path(s.path) for s in cfg.sources]
+    if cfg.path is not None:
+        return [Path(cfg.path)]
+    return [embedded_corpus(cfg.tokenizer, cfg.val_fraction or EMBEDDED_VAL_FRACTION)]
 
 
 def check_same_data(cfg: DataConfig, recorded: str | None, checkpoint: str | Path) -> None:
@@ -362,14 +375,7 @@ def _same_tokenizer(spec: str, data_dir: Path, recorded: str | None) -> bool:
     if recorded in ("byte", None):  # None: a pre-tokenized corpus, which names no tokenizer
         return False
     copy = data_dir / "tokenizer.json"
-    files = [_tokenizer_file(spec), copy if copy.is_file() else _tokenizer_file(recorded)]
-    if not all(f.is_file() for f in files):
-        return False
-    return len({hashlib.sha256(f.read_bytes()).digest() for f in files}) == 1
-
-
-def _tokenizer_file(spec: str) -> Path:
-    return Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
+    return same_files(tokenizer_file(spec), copy if copy.is_file() else tokenizer_file(recorded))
 
 
 def resolve_data_paths(config: RunConfig) -> RunConfig:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from moetrain.config import DataConfig
-from moetrain.data.loader import _split_pair, check_shard_args
+from moetrain.data.loader import check_shard_args, device_batch
 
 
 def source_labels(cfg: DataConfig) -> list[str]:
@@ -96,12 +96,7 @@ class MixedLoader:
         # Every rank walks the whole global batch so that all agree on the counts.
         counts = self.counts()
         g = sum(counts)
-        host_BS1 = torch.empty(
-            (self.batch_size, self.seq_len + 1),
-            dtype=torch.int64,
-            pin_memory=self.device.type == "cuda",
-        )
-        rows = host_BS1.numpy()
+        rows = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
         first = self.rank * self.batch_size
         for i in range(self.world_size * self.batch_size):
             deficits = [w * (g + i + 1) - c for w, c in zip(self.weights, counts, strict=True)]
@@ -110,8 +105,7 @@ class MixedLoader:
             window = self._next_window(s)
             if first <= i < first + self.batch_size:
                 rows[i - first] = self.sources[s][window * self.seq_len + self._offsets_S1]
-        on_cuda = self.device.type == "cuda"
-        return _split_pair(host_BS1.to(self.device, non_blocking=on_cuda))
+        return device_batch(rows, self.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {

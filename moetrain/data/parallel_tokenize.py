@@ -33,12 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from moetrain.data.input_readers import (
-    BadRecords,
-    ReadOptions,
-    no_documents_error,
-    read_documents,
-)
+from moetrain.data.input_readers import BadRecords, ReadOptions, read_documents
 from moetrain.data.inputs import Part, Source, source_identity, split_source, suffix_of
 from moetrain.data.progress import TokenizeProgress
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -315,10 +310,7 @@ def tokenize_units(
     text files and skipped bad records are reported on stderr."""
     records = {u.key: r for u in units if (r := work.finished(u)) is not None}
     todo = [u for u in units if u.key not in records]
-    workers = default_workers(todo) if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers ({workers}) must be >= 1")
-    workers = max(1, min(workers, len(todo)))
+    workers = max(1, min(default_workers(todo) if workers is None else workers, len(todo)))
     check = _SourceCheck(units, options.text_field)
     for unit in units:
         if unit.key in records:
@@ -377,7 +369,10 @@ class _SourceCheck:
             if isinstance(unit.source, Path) and suffix_of(unit.source) == ".txt":
                 self.empty.append(unit.source)
             else:
-                raise no_documents_error(unit.source, self.text_field)
+                raise ValueError(
+                    f"input {unit.source} holds no documents (no non-empty {self.text_field!r} "
+                    "text)"
+                )
         return record
 
     def totals(self) -> tuple[int, int, int]:

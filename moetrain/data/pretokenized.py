@@ -13,12 +13,12 @@ data/sharded_tokens.py maps them back.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 from pathlib import Path
 
 import numpy as np
 
+from moetrain.data.inputs import expand_paths
 from moetrain.data.sharded_tokens import ShardedTokens, map_tokens
 from moetrain.data.tokenizer import load_tokenizer
 from moetrain.data.tokens import (
@@ -38,28 +38,12 @@ _MIN_MEAN_DOCUMENT = 4  # tokens: real corpora's documents are hundreds long on 
 
 
 def _expand(inputs: list[str | Path]) -> list[Path]:
-    files: list[Path] = []
-    for spec in inputs:
-        path = Path(spec)
-        if glob.has_magic(str(spec)) and not path.exists():
-            found = [Path(p) for p in sorted(glob.glob(str(spec), recursive=True))]
-            found = [p for p in found if p.is_file() and p.suffix in SUFFIXES]
-            if not found:
-                raise ValueError(f"the pattern {spec} matches no .npy or .bin token file")
-        elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
-            if not found:
-                raise ValueError(f"input directory {path} holds no .npy or .bin token file")
-        elif path.is_file():
-            if path.suffix not in SUFFIXES:
-                raise ValueError(
-                    f"token file {path} has an unsupported type; expected .npy or .bin"
-                )
-            found = [path]
-        else:
-            raise ValueError(f"input file {path} does not exist")
-        files.extend(p.resolve() for p in found)
-    return list(dict.fromkeys(files))
+    known = lambda p: p.is_file() and p.suffix in SUFFIXES  # noqa: E731
+    walk = lambda d: sorted(filter(known, d.rglob("*")))  # noqa: E731
+    found = [
+        expand_paths(s, known, walk, ".npy or .bin token file", ".npy or .bin") for s in inputs
+    ]
+    return list(dict.fromkeys(p.resolve() for paths in found for p in paths))
 
 
 def _layout(path: Path, dtype: np.dtype) -> tuple[int, int]:

@@ -25,15 +25,9 @@ def byte_symbols() -> list[str]:
     """The printable character the ByteLevel pre-tokenizer writes for each byte value: the byte
     itself when it is a visible Latin-1 character, else the next unused code point from 256 up
     (in byte order), so that no symbol is whitespace or a control character."""
-    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    symbols, extra = [], 0
-    for b in range(256):
-        if b in visible:
-            symbols.append(chr(b))
-        else:
-            symbols.append(chr(256 + extra))
-            extra += 1
-    return symbols
+    visible = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    unused = iter(range(256, 512))
+    return [chr(b) if b in visible else chr(next(unused)) for b in range(256)]
 
 
 def byte_tokenizer_json() -> dict[str, Any]:

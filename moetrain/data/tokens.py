@@ -6,10 +6,8 @@ version, tokenizer, vocab_size, eos_id, dtype, per-split token and document coun
 and, for a Hugging Face tokenizer, a copy of its ``tokenizer.json``. Invariants: a directory is
 built in a temporary sibling and renamed into place, never left partial; both splits hold a
 document; readers memory-map the arrays and check them against meta.json (a `ValueError` naming
-the file). `check_not_prepared` refuses a non-empty output unless overwriting (runs trained on
-the old tokens could not resume). `fingerprint` names the content, for resumes to compare. A
-pre-tokenized corpus (data/pretokenized.py) lists the user's files in meta.json instead;
-`load_split` reads either kind.
+the file). A pre-tokenized corpus (data/pretokenized.py) lists the user's files in meta.json
+instead; `load_split` reads either kind.
 """
 
 from __future__ import annotations
