@@ -1,12 +1,6 @@
-"""A calibration file: rates measured on one GPU that replace the planner's datasheet-derived
-efficiencies, written by `moetrain bench --calibrate` and read by `moetrain plan`.
-
-Contents: the short and the power-limited (sustained) 8192^3 BF16 matmul rate, the copy
-bandwidth, and per config name the rates at its shapes (`ShapeRates`). A plan
-(`calibrated_cluster`) runs products at the measured rate x sustained / short (steps run at the
-power limit, short timings do not), memory-bound work at the copy bandwidth, and scales kept
-activations by the measured factor; a config without an entry takes the entries' median.
-Nothing here imports torch.
+"""A calibration file: rates measured on one GPU by `moetrain bench --calibrate` that replace
+the planner's datasheet-derived efficiencies in `moetrain plan` (docs/plan.md, "Calibration from
+measured kernels"). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -97,7 +91,9 @@ def save(calibration: Calibration, path: str | Path) -> Path:
 
 
 def calibrated_cluster(cluster: Cluster, calibration: Calibration, config_name: str) -> Cluster:
-    """`cluster` with the measured rates of `config_name` (module docstring)."""
+    """`cluster` with the measured rates of `config_name` (else the entries' median): products
+    at the rate x sustained / short (steps run at the power limit, short timings do not),
+    memory-bound work at the copy bandwidth, kept activations scaled by the measured factor."""
     if calibration.gpu != cluster.gpu.name:
         raise ValueError(
             f"the calibration was measured on {calibration.gpu}, the plan is for {cluster.gpu.name}"
