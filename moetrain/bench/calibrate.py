@@ -1,16 +1,7 @@
-"""`moetrain bench --calibrate`: measure on the local GPU the rates `moetrain plan` uses
-(moetrain.plan.calibration says how), write the calibration file, and check the planner's
-step time and peak memory against `moetrain bench` on the same presets.
-
-Per config, at its own shapes (T = micro-batch tokens, bf16, random inputs):
-- dense products: the fused q/k/v and output projections, the router and one 4096-token chunk
-  of the LM head, each forward, input gradient and weight gradient (`torch.matmul`);
-- grouped GEMMs: `torch._grouped_mm` of the experts' up and down projections on T K rows in
-  E equal groups, forward, input gradient and weight gradient;
-- attention: causal SDPA forward + backward with the model's backend, in model FLOPs;
-- the activation factor: bytes a compiled block (the trainer's `apply_compile`) keeps after
-  its forward, over plan.memory's count for the block.
-Plus, once: the short and the sustained 8192^3 matmul and the copy bandwidth.
+"""`moetrain bench --calibrate`: measure on the local GPU the rates `moetrain plan` uses, at
+each config's own shapes (docs/plan.md, "Calibration from measured kernels"), write the
+calibration file, and check the planner's step time and peak memory against `moetrain bench`
+on the same presets.
 """
 
 from __future__ import annotations
