@@ -168,21 +168,15 @@ class Check:
     measured_gib: float
     floor_ms: float  # model FLOPs at the sustained matmul rate + the optimizer's traffic floor
 
-    @property
-    def time_error(self) -> float:
-        return self.predicted_ms / self.measured_ms - 1
-
-    @property
-    def memory_error(self) -> float:
-        return self.predicted_gib / self.measured_gib - 1
-
     def row(self) -> str:
         if not self.measured_gib:  # off CUDA nothing is allocated on a device
             return f"| {self.preset} | {self.predicted_ms:.1f} | {self.measured_ms:.1f} | (CPU) |"
+        time_error = self.predicted_ms / self.measured_ms - 1
+        memory_error = self.predicted_gib / self.measured_gib - 1
         return (
             f"| {self.preset} | {self.predicted_ms:.1f} | {self.measured_ms:.1f} | "
-            f"{100 * self.time_error:+.1f}% | {self.predicted_gib:.1f} | {self.measured_gib:.1f} | "
-            f"{100 * self.memory_error:+.1f}% | {self.floor_ms:.1f} | "
+            f"{100 * time_error:+.1f}% | {self.predicted_gib:.1f} | {self.measured_gib:.1f} | "
+            f"{100 * memory_error:+.1f}% | {self.floor_ms:.1f} | "
             f"{self.measured_ms / self.floor_ms:.2f}x |"
         )
 

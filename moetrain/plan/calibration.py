@@ -63,12 +63,6 @@ class Calibration:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
-    @classmethod
-    def from_json(cls, text: str) -> Calibration:
-        data = json.loads(text)
-        data["shapes"] = {k: ShapeRates(**v) for k, v in data.get("shapes", {}).items()}
-        return cls(**data)
-
 
 def default_path(gpu: str) -> Path:
     """$XDG_CACHE_HOME/moetrain/calibration-<gpu>.json (~/.cache when unset)."""
@@ -78,7 +72,9 @@ def default_path(gpu: str) -> Path:
 
 def load(path: str | Path) -> Calibration:
     try:
-        return Calibration.from_json(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
+        data["shapes"] = {k: ShapeRates(**v) for k, v in data.get("shapes", {}).items()}
+        return Calibration(**data)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"calibration file {path}: {exc}") from None
 
