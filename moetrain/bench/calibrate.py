@@ -225,9 +225,7 @@ def check(config: RunConfig, calibration: cal.Calibration, **bench_kw) -> Check:
     )
 
 
-def sustained_line(result: dict | None, short: float | None) -> str:
-    if not result:
-        return ""
+def sustained_line(result: dict, short: float | None) -> str:
     from moetrain.bench.gpu_state import describe
 
     ratio = f" ({result['tflops_second_half'] / short:.0%} of the short one)" if short else ""
