@@ -61,7 +61,7 @@ def fsdp_transfers(
     reduce_bytes: int,
     shard: int | None = None,
 ) -> FsdpTransfers:
-    """The transfers of a rank (module docstring); `shard`: HSDP's group."""
+    """The transfers of a rank (docs/plan.md); `shard`: HSDP's group."""
     if reshard not in RESHARD:
         raise ValueError(f"parallel.fsdp_reshard ({reshard!r}) must be one of {', '.join(RESHARD)}")
     n, replicas = _shards(config, num_gpus, shard)
@@ -92,7 +92,7 @@ def fsdp_memory(
     overhead: int = 0,
     activation_factor: float = 1.0,
 ) -> Memory:
-    """Bytes a rank holds at its peak (module docstring). `layout` gives the micro-batch and
+    """Bytes a rank holds at its peak (docs/plan.md). `layout` gives the micro-batch and
     the checkpointing (pp 1, ep 1)."""
     n, _ = _shards(config, num_gpus, shard)
     b, lp = precision_bytes(config), layer_params(config)

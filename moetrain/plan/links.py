@@ -16,7 +16,7 @@ def members_per_node(group: int, stride: int, gpus_per_node: int) -> int:
 
 def split_collective(nbytes: float, group: int, stride: int, node: int) -> tuple[float, float]:
     """(bytes over NVLink, bytes over the network) one GPU sends in a reduce-scatter or an
-    all-gather of an `nbytes` buffer, hierarchically (module docstring)."""
+    all-gather of an `nbytes` buffer, hierarchically (docs/plan.md)."""
     local = members_per_node(group, stride, node)
     nodes = -(-group // local)
     return nbytes * (local - 1) / local, nbytes / local * (nodes - 1) / nodes

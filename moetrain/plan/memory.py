@@ -147,11 +147,9 @@ def resolved_dispatcher(config: RunConfig, ep: int) -> str:
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """The rows one rank's experts take in one MoE layer for one micro-batch of `tokens` tokens:
-    the dispatched rows, and (x 2 F) the gate|up output and (x F) the SwiGLU output saved for
-    the backward. local and all_to_all move exactly the `routes` (T K) routed rows: T K on
-    average under uniform routing (all_to_all's share varies with the routing); no_sync
-    allocates ep fixed blocks (`moetrain.moe.capacity.no_sync_capacities`)."""
+    """The rows one rank's experts take in one MoE layer for one micro-batch of `tokens` tokens
+    (the dispatched rows; x 2 F the gate|up output, x F the SwiGLU output): docs/plan.md,
+    "Expert buffer rows"."""
 
     dispatcher: str
     tokens: int
@@ -307,11 +305,9 @@ def stage_memory(
     overhead: int = 2 * GIB,
     activation_factor: float = 1.0,
 ) -> Memory:
-    """ShardedAdamW's buffers: parameters and gradients (views into flat buckets), the reduce-
-    scatter output of each group of more than one rank (a gradient shard), and the fp32 master
-    and moments of the shards; then activations, the backward's transient and the overhead.
-    `activation_factor` scales the activations and the transient (1: eager autograd's bytes;
-    compiled blocks save less: `Cluster.activation_factor`, measured by a calibration)."""
+    """Bytes of a stage's rank by docs/plan.md's memory table (ShardedAdamW's buffers, then
+    activations, the backward's transient and the overhead). `activation_factor` scales the
+    activations and the transient (1: eager autograd's bytes; `Cluster.activation_factor`)."""
     b = precision_bytes(config)
     params = rank_params(config, pp=layout.pp, ep=layout.ep, stage=stage)
     shards = optimizer_shards(params, layout)
