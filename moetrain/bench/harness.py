@@ -28,7 +28,7 @@ from moetrain.bench.gpu_state import GpuStateSampler, nvml_reader
 from moetrain.bench.timing import summarize, time_steps
 from moetrain.config import RunConfig
 from moetrain.model.flops import flops_per_token, param_counts
-from moetrain.train.metrics import peak_tflops
+from moetrain.train.metrics import peak_memory_gib, peak_tflops
 
 
 @dataclass
@@ -109,9 +109,7 @@ def _result(
         tflops=tflops,
         mfu_datasheet=tflops / peak if peak else None,
         mfu_measured=tflops / mm_tflops if mm_tflops else None,
-        peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30
-        if device.type == "cuda"
-        else 0.0,
+        peak_mem_gib=peak_memory_gib(device),
     )
 
 
