@@ -410,13 +410,15 @@ def test_fp8_linears_move_the_projections_to_the_fp8_rate(dense_layers):
     and dense SwiGLUs, and nothing else, run at the FP8 rate (their weight gradient stays bf16):
     the product time falls by exactly two thirds of their FLOPs times the difference of the
     two rates' reciprocals."""
-    from moetrain.plan.timing import _matmul_s
+    from moetrain.plan.timing import _matmul_parts
 
     config = get_preset("olmoe8").with_overrides([f"model.num_dense_layers={dense_layers}"])
     fp8 = config.with_overrides(["precision.linear=fp8_rowwise"])
     cluster = P.Cluster(gpu=P.GPUS["h200"], num_gpus=1)
     layout = P.Layout(pp=1, dp=1, ep=1, micro_batch_size=config.train.micro_batch_size)
-    saved = _matmul_s(config, cluster, layout, 0) - _matmul_s(fp8, cluster, layout, 0)
+    saved = sum(_matmul_parts(config, cluster, layout, 0)) - sum(
+        _matmul_parts(fp8, cluster, layout, 0)
+    )
     m = config.model
     projections = param_counts(config).attention - (m.num_heads + m.kv_heads) * m.dim_per_head * m.num_layers  # fmt: skip
     dense_mlp = 3 * m.d_model * m.dense_hidden_size * dense_layers
@@ -438,7 +440,7 @@ def test_fp8_experts_move_forward_and_input_gradient_to_the_fp8_rate(checkpointi
     """precision.experts=fp8_rowwise: two thirds of the expert FLOPs (and a recomputed forward)
     at the FP8 rate, the weight gradient's third at the bf16 grouped rate; the quantizations'
     bytes join the elementwise time."""
-    from moetrain.plan.timing import _elementwise_s, _fp8_quantization_bytes, _matmul_s
+    from moetrain.plan.timing import _elementwise_s, _fp8_quantization_bytes, _matmul_parts
 
     config = get_preset("olmoe8")
     fp8 = config.with_overrides(["precision.experts=fp8_rowwise"])
@@ -447,7 +449,9 @@ def test_fp8_experts_move_forward_and_input_gradient_to_the_fp8_rate(checkpointi
         pp=1, dp=1, ep=1, micro_batch_size=config.train.micro_batch_size,
         activation_checkpointing=checkpointing,
     )  # fmt: skip
-    saved = _matmul_s(config, cluster, layout, 0) - _matmul_s(fp8, cluster, layout, 0)
+    saved = sum(_matmul_parts(config, cluster, layout, 0)) - sum(
+        _matmul_parts(fp8, cluster, layout, 0)
+    )
     moe, m, t = config.moe, config.model, config.train
     expert_flops = 6 * moe.top_k * 3 * m.d_model * moe.expert_hidden * m.num_layers
     expert_flops *= t.micro_batch_size * t.seq_len
@@ -473,7 +477,7 @@ def test_fp8_experts_move_forward_and_input_gradient_to_the_fp8_rate(checkpointi
 def test_fp8_lm_head_moves_the_head_to_the_fp8_rate_on_the_last_stage(pp):
     """precision.lm_head=fp8_rowwise: two thirds of the head's 6 V D FLOPs a token at the FP8
     rate, on the last pipeline stage only, with its quantizations' bytes there."""
-    from moetrain.plan.timing import _fp8_quantization_bytes, _matmul_s
+    from moetrain.plan.timing import _fp8_quantization_bytes, _matmul_parts
 
     config = get_preset("olmoe8")
     fp8 = config.with_overrides(["precision.lm_head=fp8_rowwise"])
@@ -491,9 +495,13 @@ def test_fp8_lm_head_moves_the_head_to_the_fp8_rate_on_the_last_stage(pp):
         )
     )
     last = pp - 1
-    saved = _matmul_s(config, cluster, layout, last) - _matmul_s(fp8, cluster, layout, last)
+    saved = sum(_matmul_parts(config, cluster, layout, last)) - sum(
+        _matmul_parts(fp8, cluster, layout, last)
+    )
     assert saved == pytest.approx(expected, rel=1e-3)
     assert _fp8_quantization_bytes(fp8, layout, last) > 0
     if pp > 1:
-        assert _matmul_s(fp8, cluster, layout, 0) == _matmul_s(config, cluster, layout, 0)
+        assert sum(_matmul_parts(fp8, cluster, layout, 0)) == sum(
+            _matmul_parts(config, cluster, layout, 0)
+        )
         assert _fp8_quantization_bytes(fp8, layout, 0) == 0

@@ -20,19 +20,6 @@ from moetrain.moe.dispatch import LocalDispatcher, LocalHandle
 from moetrain.moe.router import RoutingResult
 
 
-def balanced_expert_ids(num_tokens: int, top_k: int, num_local: int, device) -> torch.Tensor:
-    """(T, K) local expert ids: route t K + k to expert (t K + k) mod e."""
-    return (torch.arange(num_tokens * top_k, device=device) % num_local).view(num_tokens, top_k)
-
-
-def balanced_counts(num_routes: int, num_local: int, device) -> torch.Tensor:
-    """Rows per local expert when `num_routes` routes go round-robin over `num_local` experts."""
-    base, extra = divmod(num_routes, num_local)
-    return torch.full((num_local,), base, device=device) + (
-        torch.arange(num_local, device=device) < extra
-    )
-
-
 class BalancedDispatcher:
     """The T K routes of this device's tokens, spread evenly over its `num_local` experts."""
 
@@ -55,11 +42,16 @@ class BalancedDispatcher:
         self, x_TD: torch.Tensor, routing: RoutingResult
     ) -> tuple[torch.Tensor, torch.Tensor, LocalHandle]:
         num_tokens, top_k = routing.expert_ids_TK.shape
-        device = x_TD.device
+        e, device = self.num_local, x_TD.device
+        # route r = t K + k to local expert r mod e: the first `extra` experts get one row more
+        base, extra = divmod(num_tokens * top_k, e)
         local = dataclasses.replace(
             routing,
-            expert_ids_TK=balanced_expert_ids(num_tokens, top_k, self.num_local, device),
-            tokens_per_expert_E=balanced_counts(num_tokens * top_k, self.num_local, device),
+            expert_ids_TK=(torch.arange(num_tokens * top_k, device=device) % e).view(
+                num_tokens, top_k
+            ),
+            tokens_per_expert_E=torch.full((e,), base, device=device)
+            + (torch.arange(e, device=device) < extra),
         )
         return self.local.dispatch(x_TD, local)
 

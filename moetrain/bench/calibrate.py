@@ -1,16 +1,7 @@
-"""`moetrain bench --calibrate`: measure on the local GPU the rates `moetrain plan` uses
-(moetrain.plan.calibration says how), write the calibration file, and check the planner's
-step time and peak memory against `moetrain bench` on the same presets.
-
-Per config, at its own shapes (T = micro-batch tokens, bf16, random inputs):
-- dense products: the fused q/k/v and output projections, the router and one 4096-token chunk
-  of the LM head, each forward, input gradient and weight gradient (`torch.matmul`);
-- grouped GEMMs: `torch._grouped_mm` of the experts' up and down projections on T K rows in
-  E equal groups, forward, input gradient and weight gradient;
-- attention: causal SDPA forward + backward with the model's backend, in model FLOPs;
-- the activation factor: bytes a compiled block (the trainer's `apply_compile`) keeps after
-  its forward, over plan.memory's count for the block.
-Plus, once: the short and the sustained 8192^3 matmul and the copy bandwidth.
+"""`moetrain bench --calibrate`: measure on the local GPU the rates `moetrain plan` uses, at
+each config's own shapes (docs/plan.md, "Calibration from measured kernels"), write the
+calibration file, and check the planner's step time and peak memory against `moetrain bench`
+on the same presets.
 """
 
 from __future__ import annotations
@@ -177,21 +168,15 @@ class Check:
     measured_gib: float
     floor_ms: float  # model FLOPs at the sustained matmul rate + the optimizer's traffic floor
 
-    @property
-    def time_error(self) -> float:
-        return self.predicted_ms / self.measured_ms - 1
-
-    @property
-    def memory_error(self) -> float:
-        return self.predicted_gib / self.measured_gib - 1
-
     def row(self) -> str:
         if not self.measured_gib:  # off CUDA nothing is allocated on a device
             return f"| {self.preset} | {self.predicted_ms:.1f} | {self.measured_ms:.1f} | (CPU) |"
+        time_error = self.predicted_ms / self.measured_ms - 1
+        memory_error = self.predicted_gib / self.measured_gib - 1
         return (
             f"| {self.preset} | {self.predicted_ms:.1f} | {self.measured_ms:.1f} | "
-            f"{100 * self.time_error:+.1f}% | {self.predicted_gib:.1f} | {self.measured_gib:.1f} | "
-            f"{100 * self.memory_error:+.1f}% | {self.floor_ms:.1f} | "
+            f"{100 * time_error:+.1f}% | {self.predicted_gib:.1f} | {self.measured_gib:.1f} | "
+            f"{100 * memory_error:+.1f}% | {self.floor_ms:.1f} | "
             f"{self.measured_ms / self.floor_ms:.2f}x |"
         )
 
@@ -240,9 +225,7 @@ def check(config: RunConfig, calibration: cal.Calibration, **bench_kw) -> Check:
     )
 
 
-def sustained_line(result: dict | None, short: float | None) -> str:
-    if not result:
-        return ""
+def sustained_line(result: dict, short: float | None) -> str:
     from moetrain.bench.gpu_state import describe
 
     ratio = f" ({result['tflops_second_half'] / short:.0%} of the short one)" if short else ""

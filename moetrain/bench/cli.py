@@ -159,16 +159,11 @@ def run_bench(args: argparse.Namespace) -> int:
             results.append(hr)
             if hr.gpu_state:
                 extra[f"{name} {hr.system} GPU during the timed steps"] = describe(hr.gpu_state)
-            same = [
-                r
-                for r in results
-                if r.system == "moetrain"
-                and r.preset == config.name
-                and r.optimizer == "bf16-adamw"
-            ] or [results[-2]]
+            ours = (r for r in results if r.system == "moetrain" and r.preset == config.name)
+            same = next((r for r in ours if r.optimizer == "bf16-adamw"), results[-2])
             extra[f"{name} moetrain / {hr.system} (same optimizer)"] = (
-                f"{same[0].tokens_per_s / hr.tokens_per_s:.2f}x tokens/s, peak memory "
-                f"{same[0].peak_mem_gib:.1f} vs {hr.peak_mem_gib:.1f} GiB"
+                f"{same.tokens_per_s / hr.tokens_per_s:.2f}x tokens/s, peak memory "
+                f"{same.peak_mem_gib:.1f} vs {hr.peak_mem_gib:.1f} GiB"
             )
     if args.sweep:
         base = {r.optimizer: r.tokens_per_s for r in results if r.preset == "scale-E8"}

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import importlib
 import json
 import platform
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median_high
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from moetrain.bench.gpu_state import GpuStateSampler, nvml_reader
 from moetrain.bench.timing import summarize, time_steps
 from moetrain.config import RunConfig
 from moetrain.model.flops import flops_per_token, param_counts
-from moetrain.train.metrics import peak_tflops
+from moetrain.train.metrics import peak_memory_gib, peak_tflops
 
 
 @dataclass
@@ -51,9 +53,7 @@ class BenchResult:
     gpu_state: dict[str, Any] | None = None  # SM clock and power during the timed steps (NVML)
 
     def row(self) -> list[str]:
-        mfu = "-" if self.mfu_datasheet is None else f"{100 * self.mfu_datasheet:.1f}%"
-        mfu_m = "-" if self.mfu_measured is None else f"{100 * self.mfu_measured:.1f}%"
-        mfu_s = "-" if self.mfu_sustained is None else f"{100 * self.mfu_sustained:.1f}%"
+        mfus = (self.mfu_datasheet, self.mfu_measured, self.mfu_sustained)
         return [
             self.system,
             self.preset,
@@ -61,9 +61,7 @@ class BenchResult:
             self.optimizer,
             f"{self.tokens_per_s:,.0f}",
             f"{self.tflops:.0f}",
-            mfu,
-            mfu_m,
-            mfu_s,
+            *("-" if mfu is None else f"{100 * mfu:.1f}%" for mfu in mfus),
             f"{self.stats['median_ms']:.1f} ({self.stats['p10_ms']:.1f}-{self.stats['p90_ms']:.1f})",
             f"{self.peak_mem_gib:.1f}",
         ]
@@ -111,9 +109,7 @@ def _result(
         tflops=tflops,
         mfu_datasheet=tflops / peak if peak else None,
         mfu_measured=tflops / mm_tflops if mm_tflops else None,
-        peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30
-        if device.type == "cuda"
-        else 0.0,
+        peak_mem_gib=peak_memory_gib(device),
     )
 
 
@@ -247,9 +243,7 @@ def split_step(trainer, it, device: torch.device, repeats: int = 3) -> dict[str,
         fb.append(events[0].elapsed_time(events[1]))
         opt.append(events[1].elapsed_time(events[2]))
     trainer.phase_events = None
-    fb.sort()
-    opt.sort()
-    return {"forward_backward_ms": fb[len(fb) // 2], "clip_and_optimizer_ms": opt[len(opt) // 2]}
+    return {"forward_backward_ms": median_high(fb), "clip_and_optimizer_ms": median_high(opt)}
 
 
 def bench_hf(
@@ -295,18 +289,9 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    for name in ("triton", "transformers"):
+        with contextlib.suppress(ImportError):
+            info[name] = importlib.import_module(name).__version__
     return info
 
 

@@ -1,13 +1,6 @@
 """`moetrain bench --project`: resident experts against FSDP2 on N GPUs, from one rank's compute
-measured on the local GPU and the rest from the arithmetic of moetrain.plan.compare.
-
-`measure_rank` times the model one rank runs, built and stepped as `moetrain bench` does, at the
-preset's micro-batch without checkpointing: under expert parallelism with E / N experts a layer
-fed by a `BalancedDispatcher` (bench/balanced.py), under FSDP2 the whole model. The step is split
-into forward + backward and optimizer by the harness's phase events, and forward + backward into
-plan/rank_compute.py's kinds by a profile. A model too large for the GPU is timed at 1 and 2
-layers and extrapolated linearly (`RankCompute.depths`). The dispatcher's own cost comes from
-bench/dispatch_cost.py. Rows are projected on the measuring GPU and on B300s.
+measured on the local GPU (docs/plan.md, "Compute") and the rest from the arithmetic of
+moetrain.plan.compare. Rows are projected on the measuring GPU and on B300s.
 """
 
 from __future__ import annotations
@@ -133,7 +126,7 @@ def measure_rank(
         depths=tuple(depths),
         shares={k: v / total for k, v in per_kind.items()} if total else {},
         tokens=config.train.micro_batch_size * config.train.seq_len,
-        gpu=measuring_gpu(dev),
+        gpu=gpu_key(dev) if dev.type == "cuda" else "h200",  # h200: the CPU's smoke runs
     )
     return measured, results
 
@@ -150,13 +143,6 @@ def kind_ms(result: harness.BenchResult) -> dict[str, float]:
     if result.phases_ms:
         out["idle"] = max(0.0, result.profile["step_ms"] - sum(result.phases_ms.values()))
     return out
-
-
-def measuring_gpu(device: torch.device) -> str:
-    """The GPUS key of the measuring GPU; elsewhere (the CPU's smoke runs) h200."""
-    if device.type == "cuda":
-        return gpu_key(device)
-    return "h200"
 
 
 def extrapolate(depths: tuple[int, ...], values: list[float], num_layers: int) -> float:

@@ -1,12 +1,6 @@
-"""A calibration file: rates measured on one GPU that replace the planner's datasheet-derived
-efficiencies, written by `moetrain bench --calibrate` and read by `moetrain plan`.
-
-Contents: the short and the power-limited (sustained) 8192^3 BF16 matmul rate, the copy
-bandwidth, and per config name the rates at its shapes (`ShapeRates`). A plan
-(`calibrated_cluster`) runs products at the measured rate x sustained / short (steps run at the
-power limit, short timings do not), memory-bound work at the copy bandwidth, and scales kept
-activations by the measured factor; a config without an entry takes the entries' median.
-Nothing here imports torch.
+"""A calibration file: rates measured on one GPU by `moetrain bench --calibrate` that replace
+the planner's datasheet-derived efficiencies in `moetrain plan` (docs/plan.md, "Calibration from
+measured kernels"). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -69,12 +63,6 @@ class Calibration:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
-    @classmethod
-    def from_json(cls, text: str) -> Calibration:
-        data = json.loads(text)
-        data["shapes"] = {k: ShapeRates(**v) for k, v in data.get("shapes", {}).items()}
-        return cls(**data)
-
 
 def default_path(gpu: str) -> Path:
     """$XDG_CACHE_HOME/moetrain/calibration-<gpu>.json (~/.cache when unset)."""
@@ -84,7 +72,9 @@ def default_path(gpu: str) -> Path:
 
 def load(path: str | Path) -> Calibration:
     try:
-        return Calibration.from_json(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
+        data["shapes"] = {k: ShapeRates(**v) for k, v in data.get("shapes", {}).items()}
+        return Calibration(**data)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"calibration file {path}: {exc}") from None
 
@@ -97,7 +87,9 @@ def save(calibration: Calibration, path: str | Path) -> Path:
 
 
 def calibrated_cluster(cluster: Cluster, calibration: Calibration, config_name: str) -> Cluster:
-    """`cluster` with the measured rates of `config_name` (module docstring)."""
+    """`cluster` with the measured rates of `config_name` (else the entries' median): products
+    at the rate x sustained / short (steps run at the power limit, short timings do not),
+    memory-bound work at the copy bandwidth, kept activations scaled by the measured factor."""
     if calibration.gpu != cluster.gpu.name:
         raise ValueError(
             f"the calibration was measured on {calibration.gpu}, the plan is for {cluster.gpu.name}"

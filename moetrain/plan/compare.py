@@ -1,15 +1,7 @@
 """Resident experts against FSDP2 on N GPUs of one kind: the arithmetic behind `moetrain plan
---compare-fsdp` (compute from the planner's roofline) and `moetrain bench --project` (one rank's
-compute measured on the local GPU by bench/measure_rank.py). Nothing here imports torch.
-
+--compare-fsdp` and `moetrain bench --project` (docs/plan.md, "Resident experts or FSDP2?").
 A row is a layout variant (`Variant`) at one point of the sweep: tokens per micro-batch per rank
-(4k to 32k) and activation checkpointing, at a fixed global batch (default 4M tokens). A variant
-is reported at its fastest point that fits the GPU's memory; `sweep` keeps every point. A rank's
-compute: plan/rank_compute.py. Resident experts (`plan.search.estimate` of the layout): the
-busiest rank takes `expert_load` x T K rows, the dispatcher's index work and host sync per MoE
-layer, all-to-alls exposed unless `two_chunk`, gradient reductions under the last backward,
-ShardedAdamW's all-gather after the update, the pipeline bubble. FSDP2 and HSDP: plan/fsdp.py.
-Overlap: plan/overlap.py.
+and activation checkpointing, at a fixed global batch. Nothing here imports torch.
 """
 
 from __future__ import annotations

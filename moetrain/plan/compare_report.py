@@ -85,13 +85,10 @@ def markdown(rows: list[Row]) -> str:
 
 def answer(chosen: dict[str, Row]) -> list[str]:
     """The fastest fitting resident-expert and FSDP2 rows and their ratio."""
-    fits = [r for r in chosen.values() if r.fits]
-    res = [r for r in fits if not VARIANTS[r.variant].fsdp]
-    fs = [r for r in fits if VARIANTS[r.variant].fsdp]
-    if not res or not fs:
-        missing = "resident experts" if not res else "FSDP2"
+    r, f = _fastest(chosen, fsdp=False), _fastest(chosen, fsdp=True)
+    if r is None or f is None:
+        missing = "resident experts" if r is None else "FSDP2"
         return [f"no {missing} layout fits {next(iter(chosen.values())).gpu}'s memory"]
-    r, f = max(res, key=lambda x: x.tokens_per_s), max(fs, key=lambda x: x.tokens_per_s)
     winner = "resident experts" if r.tokens_per_s >= f.tokens_per_s else "FSDP2"
     return [
         f"{r.gpus} x {r.gpu}: best resident ({r.variant}) {r.tokens_per_s:,.0f} tok/s/GPU, best "

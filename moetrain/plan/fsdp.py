@@ -1,17 +1,8 @@
 """FSDP2 (`parallel.data_parallel=fsdp`, ep 1, pp 1) on paper: what a rank holds and what it sends,
-per micro-batch, for each `parallel.fsdp_reshard` mode, reduce dtype and HSDP.
-
-Every block is one FSDP2 group, the root (embedding, final norm, head) another. Over a shard
-group of n ranks (all N, or a node under HSDP):
-- all-gathers of the bf16 parameters in forward (`step`: the step's first micro-batch only)
-  and, for `forward`, the blocks again in backward;
-- reduce-scatters of the gradients in `precision.grad_dtype` every micro-batch (`step`: the
-  last), then under HSDP an all-reduce across replicas.
-Memory: the 1 / n shard of parameters, gradients, master and moments; gathered: the running and
-the prefetched block (`forward`), every block from forward to backward (`backward`), or the whole
-model with its accumulated gradients (`step`), the root always; in flight, one block's gradients
-and the previous block's reduce-scatter input; one micro-batch of plan.memory's activations.
-At n = 1 FSDP2 is not applied and nothing is gathered. Nothing here imports torch.
+per micro-batch, for each `parallel.fsdp_reshard` mode, reduce dtype and HSDP (docs/plan.md,
+"FSDP2 and HSDP"). Every block is one FSDP2 group over n ranks (all N, or a node under HSDP),
+the root (embedding, final norm, head) another; at n = 1 FSDP2 is not applied and nothing is
+gathered. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -70,7 +61,7 @@ def fsdp_transfers(
     reduce_bytes: int,
     shard: int | None = None,
 ) -> FsdpTransfers:
-    """The transfers of a rank (module docstring); `shard`: HSDP's group."""
+    """The transfers of a rank (docs/plan.md); `shard`: HSDP's group."""
     if reshard not in RESHARD:
         raise ValueError(f"parallel.fsdp_reshard ({reshard!r}) must be one of {', '.join(RESHARD)}")
     n, replicas = _shards(config, num_gpus, shard)
@@ -101,7 +92,7 @@ def fsdp_memory(
     overhead: int = 0,
     activation_factor: float = 1.0,
 ) -> Memory:
-    """Bytes a rank holds at its peak (module docstring). `layout` gives the micro-batch and
+    """Bytes a rank holds at its peak (docs/plan.md). `layout` gives the micro-batch and
     the checkpointing (pp 1, ep 1)."""
     n, _ = _shards(config, num_gpus, shard)
     b, lp = precision_bytes(config), layer_params(config)

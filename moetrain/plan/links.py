@@ -1,17 +1,7 @@
-"""The link model: how long a collective takes on one GPU, from the bytes it moves and the
-bandwidth of NVLink (inside a node) and of the network (between nodes).
-
-Bandwidths are per GPU and per direction, in GB/s (1e9 B/s; datasheets quote NVLink as the sum
-of both directions: NVLink 4's "900 GB/s" is 450). Bytes each GPU sends for a whole buffer of S
-bytes over n ranks (bandwidth-optimal algorithms):
-- reduce-scatter and all-gather: (n - 1) / n x S; all-reduce (ring): twice that;
-- all-to-all with even splits: (n - 1) / n x S, of which (n - local) / n leaves the node.
-A collective spanning nodes runs hierarchically: (local - 1) / local x S over NVLink, then
-S / local x (nodes - 1) / nodes over the network, one after the other; an all-to-all drives
-both links at once. time = bytes / (bandwidth x efficiency) + a latency per collective, where
-`efficiency` is the share of the datasheet a collective reaches; an all-to-all with messages
-of m bytes a peer runs at m / (m + `half_rate_bytes`) of that (an assumption, not a
-measurement). Nothing here imports torch.
+"""The link model: seconds of a collective on one GPU from the bytes it moves over NVLink (inside
+a node) and the network (between nodes), bandwidth-optimal and hierarchical (docs/plan.md,
+"Communication model"). Bandwidths are per GPU and direction in GB/s (NVLink 4's datasheet
+"900 GB/s" is 450). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -26,7 +16,7 @@ def members_per_node(group: int, stride: int, gpus_per_node: int) -> int:
 
 def split_collective(nbytes: float, group: int, stride: int, node: int) -> tuple[float, float]:
     """(bytes over NVLink, bytes over the network) one GPU sends in a reduce-scatter or an
-    all-gather of an `nbytes` buffer, hierarchically (module docstring)."""
+    all-gather of an `nbytes` buffer, hierarchically (docs/plan.md)."""
     local = members_per_node(group, stride, node)
     nodes = -(-group // local)
     return nbytes * (local - 1) / local, nbytes / local * (nodes - 1) / nodes

@@ -147,11 +147,9 @@ def resolved_dispatcher(config: RunConfig, ep: int) -> str:
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """The rows one rank's experts take in one MoE layer for one micro-batch of `tokens` tokens:
-    the dispatched rows, and (x 2 F) the gate|up output and (x F) the SwiGLU output saved for
-    the backward. local and all_to_all move exactly the `routes` (T K) routed rows: T K on
-    average under uniform routing (all_to_all's share varies with the routing); no_sync
-    allocates ep fixed blocks (`moetrain.moe.capacity.no_sync_capacities`)."""
+    """The rows one rank's experts take in one MoE layer for one micro-batch of `tokens` tokens
+    (the dispatched rows; x 2 F the gate|up output, x F the SwiGLU output): docs/plan.md,
+    "Expert buffer rows"."""
 
     dispatcher: str
     tokens: int
@@ -192,24 +190,8 @@ def block_activation_bytes(
     """Bytes autograd saves in one block's forward for `tokens` tokens (exact for bf16 eager with
     the local dispatcher and SDPA flash/cuDNN, which keep no S x S matrix), split into the
     attention half (attn_norm -> attention), ffn_norm, and the feed-forward (MoE layer or MLP,
-    whose input, the norm's output, is among its saved tensors).
-
-    T tokens, D d_model, q / kv projection widths, N heads, H head dim, E experts, e = E / ep,
-    K top-k, F expert hidden, R T the expert buffer rows of the dispatcher (`expert_rows`: T K,
-    or no_sync's fixed blocks); a = activation bytes (2 for bf16):
-    - RMSNorm: `norm_activation_bytes`; attn_norm, ffn_norm and the qk-norms over q and k.
-    - attention: norm output (shared by the projection), the fused q/k/v projection (its q and
-      k are the qk-norms' inputs, its v what SDPA keeps: one storage), q and k after RoPE, the
-      output, a T x width each; the qk-norms' fp32 4 T each; the log-sum-exp 4 T N; RoPE's cos
-      and sin, a S x H each.
-    - router: fp32 logits and softmax 8 T E, z-loss log-sum-exp 4 T, a 4 E count vector.
-    - MoE: three int64 index tensors 24 T K; dispatched rows a R T D; gate|up output 2 a R T F,
-      the swiglu output a R T F (it saves only gate|up; FP8 experts do not keep it: their
-      SwiGLU backward writes it again); the fp32 router weights 4 T K (saved by
-      the swiglu, which applies them, or under expert parallelism by the combine, which then
-      also keeps its gathered outputs a T K D); the experts' offsets 4 e. Shared experts /
-      dense MLP: 4 a T hidden.
-    """
+    whose input, the norm's output, is among its saved tensors). Each term, in the letters of
+    docs/plan.md ("Memory model"; R T: `expert_rows`), is a line of the code below."""
     m, moe_cfg = config.model, config.moe
     a = precision_bytes(config).activation
     T, S, D = tokens, config.train.seq_len, m.d_model
@@ -323,11 +305,9 @@ def stage_memory(
     overhead: int = 2 * GIB,
     activation_factor: float = 1.0,
 ) -> Memory:
-    """ShardedAdamW's buffers: parameters and gradients (views into flat buckets), the reduce-
-    scatter output of each group of more than one rank (a gradient shard), and the fp32 master
-    and moments of the shards; then activations, the backward's transient and the overhead.
-    `activation_factor` scales the activations and the transient (1: eager autograd's bytes;
-    compiled blocks save less: `Cluster.activation_factor`, measured by a calibration)."""
+    """Bytes of a stage's rank by docs/plan.md's memory table (ShardedAdamW's buffers, then
+    activations, the backward's transient and the overhead). `activation_factor` scales the
+    activations and the transient (1: eager autograd's bytes; `Cluster.activation_factor`)."""
     b = precision_bytes(config)
     params = rank_params(config, pp=layout.pp, ep=layout.ep, stage=stage)
     shards = optimizer_shards(params, layout)

@@ -1,17 +1,10 @@
-"""Communication beside compute: how much of a transfer a compute span hides, from measured
-pairs or from a stated assumption.
-
-A pair is measured on one GPU with stand-in communication kernels (`benchmarks/overlap.json`):
-sigma = t_compute_with_comm / t_compute_alone - 1 (compute slowdown while the transfer runs),
-eta = (t_comp + t_comm - t_pair) / min(t_comp, t_comm) (share of the shorter one hidden). Pairs:
-`a2a` (moe.overlap two_chunk's exchanges under the other chunk's compute), `fsdp_gather` and
-`fsdp_reduce_scatter` (FSDP2's prefetched gathers and gradient reductions under the blocks'
-compute; GradientSync's and ShardedAdamW's reductions use the latter). `paired_s`: a share
-phi = min(1, eta (1 + sigma)) of the transfer runs beside the compute, slowing it by sigma; the
-rest is exposed (this reproduces the pair when the transfer is the shorter); a pair measured
-with eta <= 0 (slower side by side than in turn) is projected as run in turn. Without a file:
-gathers and gradient reductions hidden (sigma 0, eta 1), all-to-alls not (eta 0), stated with
-every table. Nothing here imports torch.
+"""Communication beside compute: how much of a transfer a compute span hides, from pairs
+measured on one GPU with stand-in communication kernels (`benchmarks/overlap.json`) or from a
+stated assumption (`ASSUMED`). Pairs: `a2a` (moe.overlap two_chunk's exchanges under the other
+chunk's compute), `fsdp_gather` and `fsdp_reduce_scatter` (FSDP2's prefetched gathers and
+gradient reductions under the blocks' compute; GradientSync's and ShardedAdamW's reductions use
+the latter). A pair measured with eta <= 0 (slower side by side than in turn) is projected
+as run in turn. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -26,8 +19,8 @@ DEFAULT_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "overlap.jso
 
 @dataclass(frozen=True)
 class Pair:
-    sigma: float  # compute slowdown while the transfer runs
-    eta: float  # share of the shorter of the two hidden
+    sigma: float  # compute slowdown while the transfer runs: t_comp_with_comm / t_comp - 1
+    eta: float  # share of the shorter of the two hidden: (t_comp + t_comm - t_pair) / shorter
 
 
 @dataclass(frozen=True)
@@ -81,7 +74,9 @@ def overlap_from(path: str | Path | None) -> Overlap:
 
 
 def paired_s(compute: float, comm: float, pair: Pair) -> float:
-    """Seconds of `compute` with a transfer of `comm` seconds beside it (module docstring)."""
+    """Seconds of `compute` with a transfer of `comm` seconds beside it: a share phi =
+    min(1, eta (1 + sigma)) of the transfer runs beside the compute, slowing it by sigma; the rest
+    is exposed (this reproduces the pair when the transfer is the shorter)."""
     phi = min(1.0, pair.eta * (1 + pair.sigma))
     beside = phi * comm
     slow = 1 + pair.sigma

@@ -1,15 +1,8 @@
 """What the comparison of resident experts and FSDP2 is made of: the layout variants, the
-setting every row shares, and one rank's compute per micro-batch.
-
-Compute of one micro-batch, by kind (`Compute`): the experts' grouped products, the other
-products, memory-bound work and (measured only) the GPU's idle gaps. Measured (`RankCompute`,
-bench/measure_rank.py): the rank's step at its own micro-batch without checkpointing, split by
-a profile, carried to each point of the sweep by the planner roofline's ratio between the point
-and the measured one (per kind, on the measuring GPU), and to the row's GPU by the datasheet
-ratio of its kind (products: BF16 TFLOP/s, memory-bound: HBM TB/s, idle gaps: none), or one
-`compute_scale` for both. Roofline: the planner's stage estimate on the row's GPU. Resident
-experts under EP add the busiest rank's load (`expert_load` x the experts' products) and the
-dispatcher's measured index work and host sync per MoE layer. Nothing here imports torch.
+setting every row shares, and one rank's compute per micro-batch by kind (`Compute`): from the
+planner's roofline on the row's GPU, or measured (`RankCompute`, bench/measure_rank.py) and
+carried to each point of the sweep and to the row's GPU (docs/plan.md, "Compute"). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -228,11 +221,7 @@ def measured_compute(
 
 def _shares(c: Compute) -> dict[str, float]:
     total = c.experts + c.products + c.memory
-    return {
-        "experts": c.experts / total,
-        "products": c.products / total,
-        "memory": c.memory / total,
-    }
+    return {kind: getattr(c, kind) / total for kind in ("experts", "products", "memory")}
 
 
 def dispatcher_s(

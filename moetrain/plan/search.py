@@ -93,12 +93,8 @@ class Estimate:
 def estimate(
     config: RunConfig, cluster: Cluster, layout: Layout, global_batch_tokens: int
 ) -> Estimate:
-    """Memory, traffic and step time of one layout (validated first).
-
-    step = micro-batches x (slowest stage's micro-batch) + bubble x (the same) + gradient sync +
-    optimizer; a micro-batch's time is products + elementwise + all-to-all + sends, none of them
-    overlapped (the reference system found overlap unreliable: this is the plain schedule).
-    """
+    """Memory, traffic and step time of one layout (validated first): the step of docs/plan.md's
+    time model, nothing overlapped."""
     validate_layout(config, layout, cluster.num_gpus, global_batch_tokens)
     num_micro = num_microbatches(config, layout, global_batch_tokens)
     stages = [stage_estimate(config, cluster, layout, s, num_micro) for s in range(layout.pp)]

@@ -1,10 +1,6 @@
-"""Time and traffic of one pipeline stage: a roofline model.
-
-Matrix products run at a fraction of the datasheet peak (dense, grouped-expert and attention
-rates), memory-bound kernels and the optimizer at HBM bandwidth, communication at link bandwidths
-(NVLink inside a node, the network between nodes) plus a latency per collective or send. Per
-micro-batch: products, elementwise kernels, expert all-to-alls and pipeline sends; per step: the
-distributed optimizer's reduce-scatter + all-gather and its update. Nothing is overlapped.
+"""Time and traffic of one pipeline stage: a roofline model, nothing overlapped (docs/plan.md,
+"Time model"). Per micro-batch: products, elementwise kernels, expert all-to-alls and pipeline
+sends; per step: the distributed optimizer's reduce-scatter + all-gather and its update.
 `search.estimate` adds the pipeline bubble of the schedule and combines the stages.
 """
 
@@ -95,11 +91,6 @@ def fp8_experts(config: RunConfig, cluster: Cluster) -> bool:
     """Whether the expert GEMMs run on FP8 tensor cores (MXFP8 only on Blackwell)."""
     recipe = config.precision.experts
     return recipe == "fp8_rowwise" or (recipe == "mxfp8" and cluster.gpu.name.startswith("b"))
-
-
-def _matmul_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: int) -> float:
-    """One micro-batch's products on a stage."""
-    return sum(_matmul_parts(config, cluster, layout, stage))
 
 
 def _matmul_parts(
@@ -203,6 +194,7 @@ def _elementwise_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: i
     autograd saves, ELEMENTWISE_PASSES times; recomputation writes its part once more."""
     _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
     tokens = microbatch_tokens(config, layout)
+    ckpt = layout.activation_checkpointing
     saved = redone = 0
     for is_moe, count in ((False, num_dense), (True, num_moe)):
         if count:
@@ -210,15 +202,10 @@ def _elementwise_s(config: RunConfig, cluster: Cluster, layout: Layout, stage: i
             if is_moe:  # not held, but written all the same
                 ffn += recomputed_swiglu_bytes(config, tokens, layout.ep)
             saved += count * (attention + norm + ffn)
-            ckpt = layout.activation_checkpointing
-            redone += (
-                count
-                * {
-                    "none": 0,
-                    "moe": ffn if is_moe else 0,
-                    "full": attention + norm + ffn,
-                }[ckpt]
-            )
+            if ckpt == "full":
+                redone += count * (attention + norm + ffn)
+            elif ckpt == "moe" and is_moe:
+                redone += count * ffn
     quantized = _fp8_quantization_bytes(config, layout, stage)
     return (ELEMENTWISE_PASSES * saved + redone + quantized) / cluster.hbm_bps
 
