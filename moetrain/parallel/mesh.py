@@ -27,33 +27,31 @@ from moetrain.config import RunConfig
 MESH_AXES = ("pp", "edp", "ep")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelDims:
-    world_size: int
-    rank: int
-    local_rank: int
-    dp: int
-    ep: int
-    pp: int
+    """The defaults describe one process: no mesh, every group None, every rank 0."""
+
     device: torch.device
-    mesh: DeviceMesh | None  # axes MESH_AXES; None at world size 1
-    dp_mesh: DeviceMesh | None  # ("edp", "ep") flattened to one axis "dp" (FSDP shards over it)
-    dp_group: ProcessGroup | None
-    ep_group: ProcessGroup | None
-    edp_group: ProcessGroup | None
-    pp_group: ProcessGroup | None
-    dp_rank: int
-    ep_rank: int
-    edp_rank: int
-    pp_rank: int
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    mesh: DeviceMesh | None = None  # axes MESH_AXES
+    dp_mesh: DeviceMesh | None = None  # ("edp", "ep") flattened to one axis "dp" (FSDP shards)
+    dp_group: ProcessGroup | None = None
+    ep_group: ProcessGroup | None = None
+    edp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
+    dp_rank: int = 0
+    ep_rank: int = 0
+    edp_rank: int = 0
+    pp_rank: int = 0
 
     @property
     def edp(self) -> int:
         return self.dp // self.ep
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 @dataclass(frozen=True)
@@ -112,25 +110,7 @@ def init_distributed(config: RunConfig, device_type: str | None = None) -> Paral
         device = torch.device(device_type)
 
     if launch.world_size == 1:
-        return ParallelDims(
-            world_size=1,
-            rank=0,
-            local_rank=launch.local_rank,
-            dp=1,
-            ep=1,
-            pp=1,
-            device=device,
-            mesh=None,
-            dp_mesh=None,
-            dp_group=None,
-            ep_group=None,
-            edp_group=None,
-            pp_group=None,
-            dp_rank=0,
-            ep_rank=0,
-            edp_rank=0,
-            pp_rank=0,
-        )
+        return ParallelDims(local_rank=launch.local_rank, device=device)
 
     if not dist.is_initialized():
         os.environ.setdefault("RANK", str(launch.rank))
