@@ -2,7 +2,7 @@
 
 It has the interface the trainer uses for every optimizer (ShardedAdamW has the same):
 `no_sync()`, `finish_grad_sync()`, `step(lr, max_grad_norm, skip) -> grad_norm`, `zero_grad()`,
-`state_dict()`, `load_state_dict()`, `reset_masters()`, `state_bytes_per_rank()`. Gradient
+`state_dict()`, `load_state_dict()`, `reset_masters()`. Gradient
 communication is `grad_sync`'s (parallel/data.py GradientSync; None in one process), the global
 norm `norm_fn`'s. The update:
 - fp32 parameters: torch AdamW (fused on CUDA; foreach on CPU, bitwise reproducible on resume).
@@ -72,10 +72,6 @@ class AdamW:
             fused=fused or None,
             foreach=None if fused else True,
         )
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.opt.param_groups
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.grad_sync.no_sync() if self.grad_sync is not None else contextlib.nullcontext()
@@ -244,14 +240,3 @@ class AdamW:
                         "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format),
                     }
-
-    def state_bytes_per_rank(self) -> int:
-        total = 0
-        for group in self.opt.param_groups:
-            for t in group["params"]:
-                total += sum(
-                    v.numel() * v.element_size() for v in self.opt.state.get(t, {}).values()
-                )
-                if self.use_masters:
-                    total += t.numel() * t.element_size()
-        return total

@@ -10,6 +10,7 @@ view into the flat buffers, so collectives run on the buckets without copies.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from moetrain.optim.clip import EXPERT
 from moetrain.optim.grad_buckets import GradBucket, split_into_buckets
+from moetrain.parallel.comm import group_size
 
 SHARD_ALIGN = 64  # shard sizes are multiples of this many elements (aligned collective chunks)
 
@@ -57,10 +59,6 @@ class Bucket(GradBucket):
 
 
 Entry = tuple[str, nn.Parameter, int, str]  # name, parameter, param group index, sync kind
-
-
-def group_size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def param_entries(
@@ -139,9 +137,7 @@ def make_bucket(
     dtype, device = params[0].dtype, params[0].device
     grad_dtype = grad_dtype or dtype
     size, rank = group_size(group), 0 if group is None else dist.get_rank(group)
-    starts = [0]
-    for param in params:
-        starts.append(starts[-1] + param.numel())
+    starts = list(itertools.accumulate((p.numel() for p in params), initial=0))
     numel = starts.pop()
     shard = numel if size == 1 else math.ceil(numel / (size * SHARD_ALIGN)) * SHARD_ALIGN
     params_flat = torch.zeros(shard * size, dtype=dtype, device=device)

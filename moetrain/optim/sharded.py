@@ -39,13 +39,13 @@ from moetrain.optim.buckets import (
     GlobalSlices,
     Piece,
     global_layouts,
-    group_size,
     make_buckets,
     param_entries,
 )
 from moetrain.optim.clip import EXPERT, clip_coefficient
 from moetrain.optim.grad_buckets import BucketedGrads
 from moetrain.optim.sharded_state import ShardState, copy_chunks, shard_state
+from moetrain.parallel.comm import group_size
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 

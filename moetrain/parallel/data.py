@@ -21,6 +21,7 @@ under expert parallelism each experts module is sharded over edp with gradient d
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -78,13 +79,9 @@ class GradientSync(BucketedGrads):
             size=bucket_mb * 2**20,
         ):
             params = [param for param, _ in bucket_members]
-            starts = [0]
-            for param in params[:-1]:
-                starts.append(starts[-1] + param.numel())
+            starts = list(itertools.accumulate((p.numel() for p in params), initial=0))
             flat = torch.zeros(
-                starts[-1] + params[-1].numel(),
-                dtype=grad_dtype or params[0].dtype,
-                device=params[0].device,
+                starts.pop(), dtype=grad_dtype or params[0].dtype, device=params[0].device
             )
             group = dims.edp_group if bucket_members[0][1] else dims.dp_group
             buckets.append(

@@ -1,6 +1,6 @@
 """The parallelization recipe: one ordered list of transforms applied to a built model.
 
-    1. pipeline split           pp > 1: keep only this rank's pipeline stages (apply_pipeline_split;
+    1. pipeline split           pp > 1: keep only this rank's pipeline stages (split_model;
                                 the schedule is built on the materialized model: pipeline.Pipeline)
     2. expert parallelism      shard experts over ep, install the EP dispatcher (apply_ep)
     3. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
@@ -36,7 +36,7 @@ from moetrain.parallel.comm import all_reduce_counts, traceable
 from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep
 from moetrain.parallel.mesh import ParallelDims
-from moetrain.parallel.pipeline import apply_pipeline_split
+from moetrain.parallel.pipeline import pipeline_layout, split_model
 
 
 def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Transformer:
@@ -48,7 +48,7 @@ def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Tr
                 "zero-bubble schedules split each backward into input and weight passes, which "
                 "a compiled region does not support; set parallel.compile=false"
             )
-        apply_pipeline_split(model, config, dims)
+        split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
     apply_ep(model, dims, config)
     apply_global_load_balance(model, config, dims)
     apply_activation_checkpointing(model, config.parallel.activation_checkpointing)

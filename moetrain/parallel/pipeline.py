@@ -157,11 +157,6 @@ def split_model(model: Transformer, layout: PipelineLayout, pp_rank: int) -> Non
         model.norm, model.lm_head = None, None
 
 
-def apply_pipeline_split(model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
-    """The recipe's pipeline step: keep this rank's stages (see `split_model`)."""
-    split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
-
-
 class StageModule(nn.Module):
     """One stage of a split Transformer, made of the model's own module objects (no copies).
     It holds the LM head on the last stage although the loss, not `forward`, uses it: the

@@ -183,9 +183,6 @@ class TokenGamingDetector:
             f"judge balance by the measured load"
         )
 
-    def reset(self) -> None:
-        self._history.clear()
-
 
 def _fitted_trend(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
     """The least-squares line through (x, y) at the first and last x, and the standard error of

@@ -150,7 +150,8 @@ class Trainer:
         )
         self._stop_requested = False
         self._bad_run = torch.zeros((), device=self.device)
-        self._acc = self._new_accumulators()
+        keys = ("loss", "grad_norm", "good", "bad", "spikes", "max_bad_run")
+        self._acc = {k: torch.zeros((), device=self.device) for k in keys}
         self.phase_events: list | None = None
         self.step_graph = self._build_step_graph()
         self._control_group = dist.new_group(backend="gloo") if self.dims.world_size > 1 else None
@@ -345,10 +346,6 @@ class Trainer:
             all_reduce_stats([layer.step_tokens_per_expert_E for layer in layers], self.dims)
         for layer in layers:
             layer.end_of_step()
-
-    def _new_accumulators(self) -> dict[str, torch.Tensor]:
-        keys = ("loss", "grad_norm", "good", "bad", "spikes", "max_bad_run")
-        return {k: torch.zeros((), device=self.device) for k in keys}
 
     def _request_stop(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self._stop_requested = True
