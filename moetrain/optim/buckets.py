@@ -1,11 +1,8 @@
-"""Flat buckets of the distributed optimizer (optim/sharded.py): how parameters are grouped,
-padded and split into per-rank shards.
-
-A bucket holds parameters of one sync kind (dense or expert), dtype and device, in the order
-backward produces their gradients. Its flat buffers are padded to `shards x SHARD_ALIGN`
-elements; rank r of the bucket's group owns the r-th contiguous shard. Each parameter's `.data`
-(and `.grad`, when the gradient dtype is the parameter's: a GradBucket's view mode) becomes a
-view into the flat buffers, so collectives run on the buckets without copies.
+"""Flat buckets of the distributed optimizer (optim/sharded.py): parameters of one sync kind,
+dtype and device, in the order backward produces their gradients, padded to
+`shards x SHARD_ALIGN` elements; rank r of the bucket's group owns the r-th contiguous shard.
+Each parameter's `.data` (and `.grad` in view mode) becomes a view into the flat buffers, so
+collectives run on the buckets without copies.
 """
 
 from __future__ import annotations

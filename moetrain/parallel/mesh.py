@@ -1,15 +1,13 @@
 """Process topology: the launch environment -> validated degrees -> process groups and mesh.
 
-world = pp x dp, and inside every pipeline stage the dp ranks form dp / ep expert-parallel groups
-of ep contiguous ranks:
+world = pp x dp; inside every pipeline stage the dp ranks form dp / ep expert-parallel groups of
+ep contiguous ranks:
 
     rank = pp_rank * dp + edp_rank * ep + ep_rank        mesh axes ("pp", "edp", "ep")
 
-`ep` ranks hold different experts and exchange tokens; `edp` (expert-data-parallel) ranks hold
-replicas of the same experts; `dp` (= edp x ep, a flattened mesh) ranks hold replicas of the
-dense weights. Invariants: the layout is validated (a `ValueError` naming the config field)
-before any process-group work; world size 1 creates no process group and every group is None;
-a group is also None when its degree is 1, so callers test `group is None` instead of sizes.
+`ep` ranks hold different experts, `edp` ranks replicas of the same experts, `dp` (= edp x ep)
+ranks replicas of the dense weights. The layout is validated before any process-group work. A
+group is None when its degree is 1, so callers test `group is None` instead of sizes.
 """
 
 from __future__ import annotations

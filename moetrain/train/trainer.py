@@ -1,16 +1,10 @@
 """The training loop: build, train with log/eval/checkpoint cadences, stop cleanly, resume exactly.
 
-Build order: the model is built on the meta device, parallelized, materialized with `to_empty`,
-initialized with `init_weights(seed)` and cast to the training dtype; then the optimizer, the
-data loaders, and with `resume` the newest complete checkpoint's state.
-
 One step: forward/backward (train/step.py) -> gradient sync -> global-norm clip -> optimizer
-step, skipped on the device when the loss or a gradient is not finite or the loss spikes
-(train/spike.py) -> MoE end-of-step. Metrics stay on the device until the log cadence. SIGTERM /
-Ctrl-C finish the step, save and return; `train.max_bad_steps` consecutive skipped steps (seen
-at a log step) save and stop with an error. An unwritable run directory, or one another run holds
-(train/run_lock.py), is an error before the model is built. Checkpoints record the tokens'
-content hash and carry the tokenizer; a resume checks them (train/resume.py).
+step, skipped on the device for a non-finite loss or gradient or a loss spike (train/spike.py)
+-> MoE end-of-step; metrics stay on the device until the log cadence. SIGTERM / Ctrl-C finish
+the step, save and return; `train.max_bad_steps` consecutive skipped steps save and stop with an
+error. The run directory is locked for the run (train/run_lock.py).
 """
 
 from __future__ import annotations
