@@ -61,24 +61,16 @@ Entry = tuple[str, nn.Parameter, int, str]  # name, parameter, param group index
 def param_entries(
     param_groups: list[dict[str, Any]], param_order: Sequence[str] | None
 ) -> list[Entry]:
-    """Every parameter with its group and sync kind, in forward order."""
+    """Every parameter with its group and sync kind, in forward order (`build_param_groups`
+    output: names, kinds and `param_order` are the model's own)."""
     entries = []
     for group_index, group in enumerate(param_groups):
-        names = group.get("param_names")
-        if names is None or len(names) != len(group["params"]):
-            raise ValueError(f"param group {group_index} needs one param_names entry per param")
-        kind = group.get("kind")
-        if kind not in ("dense", "router", EXPERT):
-            raise ValueError(
-                f"param group {group_index} kind ({kind!r}) must be dense, router or expert"
-            )
-        sync = EXPERT if kind == EXPERT else "dense"
-        entries += [(n, p, group_index, sync) for n, p in zip(names, group["params"], strict=True)]
+        assert group["kind"] in ("dense", "router", EXPERT), group["kind"]
+        sync = EXPERT if group["kind"] == EXPERT else "dense"
+        pairs = zip(group["param_names"], group["params"], strict=True)
+        entries += [(n, p, group_index, sync) for n, p in pairs]
     if param_order is not None:
         position = {name: i for i, name in enumerate(param_order)}
-        missing = [name for name, *_ in entries if name not in position]
-        if missing:
-            raise ValueError(f"param_order lacks parameters {missing[:3]}")
         entries.sort(key=lambda entry: position[entry[0]])
     return entries
 
@@ -93,11 +85,7 @@ def global_layouts(entries: list[Entry], global_slices: GlobalSlices) -> dict[st
         shape, rows = global_slices[name]
         shape, start = tuple(shape), rows.start or 0
         stop = shape[0] if rows.stop is None else rows.stop
-        if stop - start != param.shape[0] or shape[1:] != tuple(param.shape[1:]):
-            raise ValueError(
-                f"global_slices[{name!r}] (shape {shape}, rows {start}:{stop}) does not match the "
-                f"local shape {tuple(param.shape)}"
-            )
+        assert (stop - start, *shape[1:]) == tuple(param.shape), (name, shape, rows, param.shape)
         layouts[name] = (shape, start)
     return layouts
 

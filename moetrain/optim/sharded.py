@@ -84,10 +84,7 @@ class ShardedAdamW(BucketedGrads):
         pp_group: ProcessGroup | None = None,
         param_order: Sequence[str] | None = None,
     ) -> None:
-        if dense_group is None and expert_group is not None:
-            raise ValueError("expert_group must be None when dense_group is None (dp is 1)")
-        if expert_grad_divisor < 1:
-            raise ValueError(f"expert_grad_divisor ({expert_grad_divisor}) must be >= 1")
+        assert expert_grad_divisor >= 1 and (dense_group is not None or expert_group is None)
         # A group of one rank needs no communication: treat it as None.
         dense_group, expert_group, pp_group = (
             g if group_size(g) > 1 else None for g in (dense_group, expert_group, pp_group)
@@ -100,11 +97,11 @@ class ShardedAdamW(BucketedGrads):
         ]
 
         entries = param_entries(param_groups, param_order)
-        self._layout = global_layouts(entries, global_slices or {})
+        slices = global_slices or {}
+        self._layout = global_layouts(entries, slices)
         ep = group_size(dense_group) // group_size(expert_group)
         for name, _, _, kind in entries:
-            if kind == EXPERT and ep > 1 and name not in (global_slices or {}):
-                raise ValueError(f"expert parameter {name} needs a global_slices entry (ep={ep})")
+            assert kind != EXPERT or ep == 1 or name in slices, f"{name}: no global slice"
         sync = {
             "dense": (dense_group, float(group_size(dense_group))),
             EXPERT: (expert_group, float(expert_grad_divisor)),
