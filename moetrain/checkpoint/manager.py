@@ -1,19 +1,15 @@
-"""Atomic, verified, rotating checkpoints under `RUN_DIR/checkpoints/step-N/`.
+"""Atomic, verified, rotating checkpoints under `RUN_DIR/checkpoints/step-N/`
+(docs/reliability.md "A checkpoint is complete or invisible").
 
-A save writes into `step-N.tmp/`: the DCP shards of the tensor state, `trainer.json` (step, loader
-position, counters), the resolved `config.yaml`, the caller's extra files (the tokenizer), and
-last `manifest.json` (every file's size and SHA-256); then rank 0 renames it to `step-N/`.
-`latest()` never picks a directory without a manifest or ending in `.tmp`, so a crash mid-save
-leaves the previous checkpoint the newest. `verify()` rechecks sizes and hashes (truncation or bit
-rot is a clear error). A checkpoint failing verification on resume (or by its sizes at rotation)
-is moved aside to `step-N.corrupt/`: never resumed from, kept or deleted. Rotation keeps the
-newest `keep` checkpoints that verify. A failed save removes its temporary directory and raises a
-`CheckpointError`.
+A save writes `step-N.tmp/` (DCP shards, `trainer.json`, `config.yaml`, extra files, last
+`manifest.json` with every file's size and SHA-256) and renames it; `latest()` picks only
+directories that verify. A checkpoint failing verification on resume (or by its sizes at
+rotation) is moved aside to `step-N.corrupt/`. Rotation keeps the newest `keep` that verify.
 
-Reading a checkpoint executes nothing it contains: DCP's `.metadata` pickle goes through an
-unpickler that admits only DCP's metadata classes (`SafeFileSystemReader`), tensors through
-`torch.load(weights_only=True)`, and the few non-tensor values, which DCP's planner would read with
-`weights_only=False`, with `weights_only=True` (`_SafeLoadPlanner`).
+Reading executes nothing a checkpoint contains: DCP's `.metadata` pickle goes through an
+unpickler that admits only DCP's metadata classes (`SafeFileSystemReader`), and the non-tensor
+values DCP's planner would read with `weights_only=False` are read with `weights_only=True`
+(`_SafeLoadPlanner`).
 """
 
 from __future__ import annotations

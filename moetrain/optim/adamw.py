@@ -1,20 +1,14 @@
 """Replicated AdamW for one process or plain data parallelism, with optional fp32 masters.
 
-It has the interface the trainer uses for every optimizer (ShardedAdamW has the same):
-`no_sync()`, `finish_grad_sync()`, `step(lr, max_grad_norm, skip) -> grad_norm`, `zero_grad()`,
-`state_dict()`, `load_state_dict()`, `reset_masters()`, `state_bytes_per_rank()`. Gradient
-communication is `grad_sync`'s (parallel/data.py GradientSync; None in one process), the global
-norm `norm_fn`'s. The update:
-- fp32 parameters: torch AdamW (fused on CUDA; foreach on CPU, bitwise reproducible on resume).
-- bf16 parameters with masters: gradients are cast into fp32 masters' grads, torch's fused AdamW
-  updates the masters, and they are copied back into the parameters.
-- `kernel="triton"` (the trainer's default on CUDA): one multi-tensor kernel per group
-  (kernels/adamw_triton.py) reads the bf16 gradients and writes master, moments and parameter in
-  one pass; torch.optim.AdamW still owns the state (same state_dict). A step where a parameter
-  has no gradient falls back to torch's kernel (which skips that parameter) for the rest of the run.
-Clipping is AdamW's `grad_scale`, applied as the fused kernels read the gradients (in place on
-CPU). A true `skip` (device bool) makes the step change nothing: `found_inf` in the fused
-kernels, a `torch.where` rollback elsewhere; no host sync either way.
+The trainer's optimizer interface (ShardedAdamW has the same): `no_sync()`, `finish_grad_sync()`,
+`step(lr, max_grad_norm, skip) -> grad_norm`, `zero_grad()`, `state_dict()`, `load_state_dict()`,
+`reset_masters()`. Gradient communication is `grad_sync`'s (parallel/data.py GradientSync), the
+global norm `norm_fn`'s. The update is torch's AdamW (fused on CUDA; foreach on CPU, bitwise
+reproducible on resume), on fp32 masters for bf16 parameters; or with `kernel="triton"` one
+multi-tensor kernel per group (kernels/adamw_triton.py) that reads the bf16 gradients and writes
+master, moments and parameter in one pass, torch still owning the state. Clipping is applied as
+the kernels read the gradients (`grad_scale`; in place on CPU). A true `skip` (device bool) makes
+the step change nothing, without a host sync.
 """
 
 from __future__ import annotations
@@ -72,10 +66,6 @@ class AdamW:
             fused=fused or None,
             foreach=None if fused else True,
         )
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.opt.param_groups
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.grad_sync.no_sync() if self.grad_sync is not None else contextlib.nullcontext()
@@ -244,14 +234,3 @@ class AdamW:
                         "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format),
                     }
-
-    def state_bytes_per_rank(self) -> int:
-        total = 0
-        for group in self.opt.param_groups:
-            for t in group["params"]:
-                total += sum(
-                    v.numel() * v.element_size() for v in self.opt.state.get(t, {}).values()
-                )
-                if self.use_masters:
-                    total += t.numel() * t.element_size()
-        return total

@@ -1,15 +1,13 @@
-"""Flat buckets of the distributed optimizer (optim/sharded.py): how parameters are grouped,
-padded and split into per-rank shards.
-
-A bucket holds parameters of one sync kind (dense or expert), dtype and device, in the order
-backward produces their gradients. Its flat buffers are padded to `shards x SHARD_ALIGN`
-elements; rank r of the bucket's group owns the r-th contiguous shard. Each parameter's `.data`
-(and `.grad`, when the gradient dtype is the parameter's: a GradBucket's view mode) becomes a
-view into the flat buffers, so collectives run on the buckets without copies.
+"""Flat buckets of the distributed optimizer (optim/sharded.py): parameters of one sync kind,
+dtype and device, in the order backward produces their gradients, padded to
+`shards x SHARD_ALIGN` elements; rank r of the bucket's group owns the r-th contiguous shard.
+Each parameter's `.data` (and `.grad` in view mode) becomes a view into the flat buffers, so
+collectives run on the buckets without copies.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from torch.distributed import ProcessGroup
 
 from moetrain.optim.clip import EXPERT
 from moetrain.optim.grad_buckets import GradBucket, split_into_buckets
+from moetrain.parallel.comm import group_size
 
 SHARD_ALIGN = 64  # shard sizes are multiples of this many elements (aligned collective chunks)
 
@@ -59,31 +58,19 @@ class Bucket(GradBucket):
 Entry = tuple[str, nn.Parameter, int, str]  # name, parameter, param group index, sync kind
 
 
-def group_size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def param_entries(
     param_groups: list[dict[str, Any]], param_order: Sequence[str] | None
 ) -> list[Entry]:
-    """Every parameter with its group and sync kind, in forward order."""
+    """Every parameter with its group and sync kind, in forward order (`build_param_groups`
+    output: names, kinds and `param_order` are the model's own)."""
     entries = []
     for group_index, group in enumerate(param_groups):
-        names = group.get("param_names")
-        if names is None or len(names) != len(group["params"]):
-            raise ValueError(f"param group {group_index} needs one param_names entry per param")
-        kind = group.get("kind")
-        if kind not in ("dense", "router", EXPERT):
-            raise ValueError(
-                f"param group {group_index} kind ({kind!r}) must be dense, router or expert"
-            )
-        sync = EXPERT if kind == EXPERT else "dense"
-        entries += [(n, p, group_index, sync) for n, p in zip(names, group["params"], strict=True)]
+        assert group["kind"] in ("dense", "router", EXPERT), group["kind"]
+        sync = EXPERT if group["kind"] == EXPERT else "dense"
+        pairs = zip(group["param_names"], group["params"], strict=True)
+        entries += [(n, p, group_index, sync) for n, p in pairs]
     if param_order is not None:
         position = {name: i for i, name in enumerate(param_order)}
-        missing = [name for name, *_ in entries if name not in position]
-        if missing:
-            raise ValueError(f"param_order lacks parameters {missing[:3]}")
         entries.sort(key=lambda entry: position[entry[0]])
     return entries
 
@@ -98,11 +85,7 @@ def global_layouts(entries: list[Entry], global_slices: GlobalSlices) -> dict[st
         shape, rows = global_slices[name]
         shape, start = tuple(shape), rows.start or 0
         stop = shape[0] if rows.stop is None else rows.stop
-        if stop - start != param.shape[0] or shape[1:] != tuple(param.shape[1:]):
-            raise ValueError(
-                f"global_slices[{name!r}] (shape {shape}, rows {start}:{stop}) does not match the "
-                f"local shape {tuple(param.shape)}"
-            )
+        assert (stop - start, *shape[1:]) == tuple(param.shape), (name, shape, rows, param.shape)
         layouts[name] = (shape, start)
     return layouts
 
@@ -139,9 +122,7 @@ def make_bucket(
     dtype, device = params[0].dtype, params[0].device
     grad_dtype = grad_dtype or dtype
     size, rank = group_size(group), 0 if group is None else dist.get_rank(group)
-    starts = [0]
-    for param in params:
-        starts.append(starts[-1] + param.numel())
+    starts = list(itertools.accumulate((p.numel() for p in params), initial=0))
     numel = starts.pop()
     shard = numel if size == 1 else math.ceil(numel / (size * SHARD_ALIGN)) * SHARD_ALIGN
     params_flat = torch.zeros(shard * size, dtype=dtype, device=device)

@@ -1,10 +1,7 @@
-"""Global gradient norm and clipping, counting every parameter element exactly once.
-
-Synchronized gradients (`global_grad_norm`) are equal on every replica; only the ranks of an
-expert-parallel group (different experts) and the pipeline stages (different layers) differ, so
-norm^2 = (dense^2 local + expert^2 summed over ep) summed over pp. FSDP2's DTensor gradients take
-`sharded_grad_norm`; ShardedAdamW sums its owned shards. All share `clip_coefficient` (the
-arithmetic of `torch.nn.utils.clip_grad_norm_`). Results stay on the device: no host sync.
+"""Global gradient norm and clipping, counting every parameter element exactly once: replicas
+hold equal gradients, expert-parallel ranks different experts and pipeline stages different
+layers, so norm^2 = (dense^2 + expert^2 summed over ep) summed over pp. All share
+`clip_coefficient` (the arithmetic of `torch.nn.utils.clip_grad_norm_`); no host sync.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """Gradients into flat buckets during backward, each bucket launched once all its gradients are
-in: the one protocol behind GradientSync (parallel/data.py: all-reduce per bucket) and
-ShardedAdamW (optim/sharded.py: reduce-scatter per bucket).
+in: the one protocol behind GradientSync (parallel/data.py: all-reduce) and ShardedAdamW
+(optim/sharded.py: reduce-scatter).
 
 A `GradBucket` holds its parameters' gradients in one flat buffer, a slot each, in one of two modes:
 - view (buffer of the parameters' dtype): `.grad` is the slot's view, so autograd accumulates
-  micro-batches in place; a `.grad` autograd made afresh (after `zero_grad`) is copied in when the
-  slot is finalized and the view put back; no `.grad` means zero.
+  micro-batches in place; a `.grad` made afresh (after `zero_grad`) is copied in when the slot
+  is finalized.
 - accumulate (a wider buffer, e.g. fp32 for bf16 parameters): the post-accumulate-grad hook adds
-  each backward's `.grad` into the slot and frees it; the step's first is copied (no zeroing
-  pass); a slot written nothing this step reads as zero.
-
-`BucketedGrads` runs them: outside `no_sync()` a parameter's hook finalizes its slot and launches,
-strictly in bucket order, every bucket whose slots are all final (`_launch`, the owner's
-collective), so all ranks issue the same collectives in the same order during backward.
-`launch_remaining()` covers what backward did not; `end_step()` readies the next step. Hooks reach
-their owner through a weak reference (`weak_grad_hook`): a hook holding the owner made a cycle
-through the tensors' hooks that the garbage collector did not free, leaking every Trainer's buffers.
+  each backward's `.grad` into the slot and frees it; the step's first is copied (no zeroing).
+`BucketedGrads` launches, outside `no_sync()`, strictly in bucket order every bucket whose slots
+are all final, so all ranks issue the same collectives in the same order. Hooks reach their owner
+through a weak reference (`weak_grad_hook`): a strong one made a cycle the garbage collector did
+not free, leaking every Trainer's buffers.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Typed parameter groups: which parameters decay, and which learning-rate multiplier they take.
-
-Kinds: `expert` (routed expert weights, the 3-D tensors of GroupedExperts), `router` (router gates),
-`dense` (everything else). Norm weights and embeddings never decay; neither do 1-D parameters.
-Each group is a dict that torch optimizers accept, plus `name`, `kind` and `lr_mult` (the schedule
-multiplies the scheduled LR by `lr_mult`).
+"""Typed parameter groups for torch optimizers, plus `name`, `kind` and `lr_mult`: kinds `expert`
+(GroupedExperts weights), `router` (gates) and `dense`; norm weights, embeddings and 1-D
+parameters never decay.
 """
 
 from __future__ import annotations

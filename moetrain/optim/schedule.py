@@ -1,16 +1,8 @@
-"""Learning-rate schedules as pure functions of the step (0-based optimizer step), and what a
-changed schedule does to a resumed run.
-
-All share a linear warmup from ~0 to `lr` over `warmup_steps`, then:
-- cosine: cosine decay to `min_lr_ratio * lr` at the last step
-- linear: linear decay to `min_lr_ratio * lr`
-- wsd: warmup-stable-decay: constant, then linear decay over the last `decay_fraction` of steps;
-  more steps lengthen the stable phase and move the decay to the new end, so a run resumed
-  before its decay with a larger `train.steps` continues without a jump (as OLMo-core's WSD)
-- constant
-
-`lr_change` describes, when a resume changes a schedule field, what the LR does next, and
-refuses a jump above the LR the run last trained with unless it is asked for.
+"""Learning-rate schedules as pure functions of the (0-based) optimizer step: a linear warmup,
+then cosine or linear decay to `min_lr_ratio * lr`, constant, or wsd (warmup-stable-decay: the
+decay takes the last `decay_fraction` of the steps, so more steps move it to the new end and a run
+resumed before its decay continues without a jump). `lr_change` says what a resume's changed
+schedule does to the LR and refuses an unasked-for jump.
 """
 
 from __future__ import annotations

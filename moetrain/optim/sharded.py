@@ -1,24 +1,13 @@
 """ShardedAdamW: a ZeRO-1 distributed AdamW with fp32 master weights and global-norm clipping.
 
-Parameters live in flat buckets (optim/buckets.py), one sync kind each: dense and router
-parameters sync over `dense_group` (all data-parallel ranks), expert parameters over
-`expert_group` (the replicas of the same experts). Rank r of a group owns the r-th shard of each
-bucket and keeps the fp32 master and the AdamW moments of that shard only.
-
-Invariants: buckets are formed once, in reverse forward order (they fill during backward), and
-every collective is launched in bucket order on every rank. Owned shards partition each sync
-group's parameters, so every element is owned by exactly one rank of the data-parallel world. At
-world size 1 (both groups None) a step is `torch.optim.AdamW` after
-`torch.nn.utils.clip_grad_norm_` (only the norm's summation order differs): torch's fused AdamW,
-one multi-tensor launch per parameter group, on the flat fp32 shards.
-
-The trainer's order per optimizer step:
-    for each micro-batch but the last:  with opt.no_sync(): loss.backward()
-    last micro-batch:                    loss.backward()   # hooks launch reduce-scatters
-    norm = opt.step(lr, max_grad_norm, skip=...)           # waits, clips, updates, all-gathers
-    opt.zero_grad()
-Checkpoints hold each rank's shards as chunks of the global tensors (optim/sharded_state.py),
-never a global copy, and load under any layout.
+Parameters live in flat buckets of one sync kind (optim/buckets.py): dense and router parameters
+sync over `dense_group` (all data-parallel ranks), experts over `expert_group` (the replicas of
+the same experts). Rank r of a group owns the r-th shard of each bucket and keeps only that
+shard's master and moments, so every element is owned by exactly one rank of the data-parallel
+world. Every collective is launched in bucket order on every rank. At world size 1 a step is
+`torch.optim.AdamW` after `torch.nn.utils.clip_grad_norm_` (only the norm's summation order
+differs). Checkpoints hold each rank's shards as chunks of the global tensors
+(optim/sharded_state.py) and load under any layout.
 """
 
 from __future__ import annotations
@@ -39,13 +28,13 @@ from moetrain.optim.buckets import (
     GlobalSlices,
     Piece,
     global_layouts,
-    group_size,
     make_buckets,
     param_entries,
 )
 from moetrain.optim.clip import EXPERT, clip_coefficient
 from moetrain.optim.grad_buckets import BucketedGrads
 from moetrain.optim.sharded_state import ShardState, copy_chunks, shard_state
+from moetrain.parallel.comm import group_size
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -65,7 +54,9 @@ def expert_global_slices(model: nn.Module, num_experts: int) -> dict[str, tuple[
 
 
 class ShardedAdamW(BucketedGrads):
-    """ZeRO-1 AdamW (layout and call order: module docstring).
+    """ZeRO-1 AdamW (module docstring). Per step: every backward but the last under
+    `no_sync()` (the last one's hooks launch the reduce-scatters), then `step()` (waits, clips,
+    updates, all-gathers), then `zero_grad()`.
 
     `param_groups`: `build_param_groups` output. `expert_grad_divisor`: expert gradients are
     summed over `expert_group` and divided by this (the trainer passes dp: a local expert gradient
@@ -93,10 +84,7 @@ class ShardedAdamW(BucketedGrads):
         pp_group: ProcessGroup | None = None,
         param_order: Sequence[str] | None = None,
     ) -> None:
-        if dense_group is None and expert_group is not None:
-            raise ValueError("expert_group must be None when dense_group is None (dp is 1)")
-        if expert_grad_divisor < 1:
-            raise ValueError(f"expert_grad_divisor ({expert_grad_divisor}) must be >= 1")
+        assert expert_grad_divisor >= 1 and (dense_group is not None or expert_group is None)
         # A group of one rank needs no communication: treat it as None.
         dense_group, expert_group, pp_group = (
             g if group_size(g) > 1 else None for g in (dense_group, expert_group, pp_group)
@@ -109,11 +97,11 @@ class ShardedAdamW(BucketedGrads):
         ]
 
         entries = param_entries(param_groups, param_order)
-        self._layout = global_layouts(entries, global_slices or {})
+        slices = global_slices or {}
+        self._layout = global_layouts(entries, slices)
         ep = group_size(dense_group) // group_size(expert_group)
         for name, _, _, kind in entries:
-            if kind == EXPERT and ep > 1 and name not in (global_slices or {}):
-                raise ValueError(f"expert parameter {name} needs a global_slices entry (ep={ep})")
+            assert kind != EXPERT or ep == 1 or name in slices, f"{name}: no global slice"
         sync = {
             "dense": (dense_group, float(group_size(dense_group))),
             EXPERT: (expert_group, float(expert_grad_divisor)),

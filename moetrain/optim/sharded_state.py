@@ -1,14 +1,10 @@
 """ShardedAdamW's checkpoint state: each rank's owned pieces of every global tensor, described to
 torch.distributed.checkpoint (DCP) by their offsets, so nothing global is ever built.
 
-A rank owns one contiguous range of each flattened global tensor (an expert weight's: of the
-(num_experts, ...) tensor), a union of at most 2 * ndim - 1 boxes contiguous in memory
-(`flat_range_boxes`); a box is a DCP chunk (offsets and sizes in the global shape). `ShardState`
-holds the boxes as views of the optimizer's buffers and speaks DCP's `_Checkpointable` protocol
-(DTensor's hook into DCP): a save writes each chunk from where it lives; a load declares the
-loading layout's chunks and DCP copies the overlapping saved chunks into them (resharding is
-DCP's). Names and shapes on disk are those of plain global tensors, so a checkpoint loads into
-any layout or the replicated form, and globally assembled checkpoints load unchanged.
+A rank owns one contiguous range of each flattened global tensor: at most 2 * ndim - 1 boxes
+(`flat_range_boxes`), each a DCP chunk. `ShardState` holds them as views of the optimizer's
+buffers and speaks DCP's `_Checkpointable` protocol (DTensor's hook into DCP); resharding on load
+is DCP's. On disk the names and shapes are those of plain global tensors.
 """
 
 from __future__ import annotations

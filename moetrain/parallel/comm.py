@@ -1,23 +1,16 @@
 """Differentiable collectives for expert parallelism, and the counts exchanges that feed them.
 
-Letters: R rows, D model dim, E experts, G ranks in the group.
-- `all_to_all(x_RD, group, ...)`: `all_to_all_single` with autograd (backward: the reverse
-  all-to-all). `sink_rows` zero rows are appended to the output in the same allocation: gathers
-  point padding at them and their gradient is dropped, so padding never reaches real data.
-  `payload="fp8"` sends the rows FP8-quantized (moe/payload.py); the gradient returns unquantized.
-- `exchange_blocks`: the same with equal splits (NoSync's fixed blocks), traceable (below).
-- `AsyncExchange`: the exchange in two halves with GPU-side waits only, so compute runs under it,
-  forward and backward (moe.overlap=two_chunk).
-- `all_gather_counts`, `all_to_all_counts`, `all_reduce_counts`: integer counts, no gradient.
-`group=None` is a group of one rank: the data stays where it is, so world size 1 runs the same
-code. No function reads device values on the host.
+Letters: R rows, D model dim, E experts, G ranks in the group. `all_to_all` (exact splits),
+`exchange_blocks` (equal splits) and `AsyncExchange` (the same in two halves, for
+moe.overlap=two_chunk: docs/design.md "Overlap") move rows with autograd; `sink_rows` zero rows
+appended to the output catch padding, and `payload="fp8"` sends rows FP8-quantized (moe/payload.py;
+the gradient returns unquantized). The counts exchanges carry no gradient. `group=None` is a
+group of one (world size 1 runs the same code); nothing reads device values on the host.
 
-Compile: eager collectives are hidden from torch.compile (a graph break each). The static-shape
-ones (`exchange_blocks`, `all_gather_counts`, `all_reduce_counts`) switch under dynamo to torch's
-functional collectives (moetrain.dist_compat), which go into the graph, backward included: a
-compiled block with the NoSync dispatcher is one graph. The exact-split `all_to_all` and
-`all_to_all_counts` stay eager. gloo with CUDA tensors (ranks sharing a GPU, a test setup) stays
-eager under compile too (`traceable`): there the compiled NoSync block segfaulted its rank.
+Under torch.compile the static-shape ones (`exchange_blocks`, `all_gather_counts`,
+`all_reduce_counts`) switch to torch's functional collectives, which go into the graph; the
+exact-split ones stay eager, and so does gloo with CUDA tensors (`traceable`): there the compiled
+NoSync block segfaulted its rank.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Data parallelism: gradient synchronization for a plain optimizer, log-time statistics, FSDP2.
 
-Gradient math (equal to one process accumulating over every dp rank's micro-batch): each rank
-backpropagates the mean loss of its own micro-batch, so dense gradients (router included) are
-summed over dp and divided by dp; an expert's gradient already sums its ep group's sources
+Gradients equal one process's over every dp rank's micro-batch: dense gradients (router included)
+are summed over dp and divided by dp; an expert's gradient already sums its ep group's sources
 (through the all-to-all backward), so it is summed over edp and divided by dp. `GradientSync`
-does this DDP-style: flat buckets of one kind (dense or expert) and dtype, in reverse
-registration order, each all-reduced asynchronously once its gradients are in (the protocol of
-optim/grad_buckets.py); `finish()` launches what backward did not, waits, divides.
-
-    for i, micro_batch in enumerate(micro_batches):
-        with sync.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
-            loss_fn(micro_batch).backward()
-    sync.finish()          # then clip, optimizer.step(), zero_grad()
-
-`apply_fsdp` is the FSDP2 baseline: fully_shard on each block and the root over dp (or HSDP);
-under expert parallelism each experts module is sharded over edp with gradient divide factor dp.
-`FSDPAccumulation` keeps it gathered between micro-batches (`parallel.fsdp_reshard` step).
+does it DDP-style on the bucket protocol of optim/grad_buckets.py (all-reduce per bucket);
+`finish()` after the last backward launches what backward did not, waits and divides.
+`apply_fsdp` is the FSDP2 baseline; `FSDPAccumulation` keeps it gathered between micro-batches
+(`parallel.fsdp_reshard` step).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -78,13 +70,9 @@ class GradientSync(BucketedGrads):
             size=bucket_mb * 2**20,
         ):
             params = [param for param, _ in bucket_members]
-            starts = [0]
-            for param in params[:-1]:
-                starts.append(starts[-1] + param.numel())
+            starts = list(itertools.accumulate((p.numel() for p in params), initial=0))
             flat = torch.zeros(
-                starts[-1] + params[-1].numel(),
-                dtype=grad_dtype or params[0].dtype,
-                device=params[0].device,
+                starts.pop(), dtype=grad_dtype or params[0].dtype, device=params[0].device
             )
             group = dims.edp_group if bucket_members[0][1] else dims.dp_group
             buckets.append(

@@ -1,10 +1,9 @@
 """Expert parallelism as a model transform: keep this rank's slice of experts, swap the dispatcher.
 
-`apply_ep` leaves every name and every non-expert tensor alone. Each MoE layer keeps experts
-[ep_rank * e, (ep_rank + 1) * e) with e = num_experts / ep (re-created on meta, copied slices
-otherwise); `experts.expert_offset`, the global id of local expert 0, names experts globally
-for `init_weights` and checkpoints. The router stays global. Build optimizers after
-parallelizing: the expert parameters are new objects.
+`apply_ep` keeps experts [ep_rank * e, (ep_rank + 1) * e) of each MoE layer (e = num_experts /
+ep); `experts.expert_offset` names them globally for `init_weights` and checkpoints. Names,
+non-expert tensors and the router stay as they were. Build optimizers after parallelizing: the
+expert parameters are new objects.
 """
 
 from __future__ import annotations

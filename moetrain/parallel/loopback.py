@@ -1,13 +1,8 @@
-"""A one-process transport whose exchange runs where NCCL's would: on a side stream.
-
-`LoopbackTransport` is a `NoSyncDispatcher` transport for a group of one: the blocks come back as
-a device copy on a side stream, with the two device-side waits NCCL's stream gets
-(`comm.AsyncExchange`). So the overlapped MoE layer has on one GPU the stream structure it has on
-many, for the CUDA stream sanitizer (`TORCH_CUDA_SANITIZER=1`) and benchmarks.
-`stand_in(send_RD)`, if given, runs on the side stream after the copy: a kernel that takes what
-the real exchange would take of the link (benchmarks/overlap.py). Input and output are
-`record_stream`-ed so the allocator does not reuse them before the copy is done. On the CPU the
-copy runs at once and the wait is empty.
+"""A one-process `NoSyncDispatcher` transport whose exchange runs where NCCL's would: a device
+copy on a side stream with the two device-side waits NCCL's stream gets, so the overlapped MoE
+layer has on one GPU the stream structure it has on many (for the CUDA stream sanitizer and
+benchmarks). `stand_in(send_RD)`, if given, runs on the side stream after the copy, taking what
+the real exchange would of the link (benchmarks/overlap.py). On the CPU the copy runs at once.
 """
 
 from __future__ import annotations
@@ -44,7 +39,7 @@ class LoopbackTransport:
             out.copy_(x)
             if self.stand_in is not None:
                 self.stand_in(x)
-        x.record_stream(side)
+        x.record_stream(side)  # the allocator must not reuse them before the copy is done
         out.record_stream(side)
         done = torch.cuda.Event()
         done.record(side)

@@ -1,15 +1,13 @@
 """Process topology: the launch environment -> validated degrees -> process groups and mesh.
 
-world = pp x dp, and inside every pipeline stage the dp ranks form dp / ep expert-parallel groups
-of ep contiguous ranks:
+world = pp x dp; inside every pipeline stage the dp ranks form dp / ep expert-parallel groups of
+ep contiguous ranks:
 
     rank = pp_rank * dp + edp_rank * ep + ep_rank        mesh axes ("pp", "edp", "ep")
 
-`ep` ranks hold different experts and exchange tokens; `edp` (expert-data-parallel) ranks hold
-replicas of the same experts; `dp` (= edp x ep, a flattened mesh) ranks hold replicas of the
-dense weights. Invariants: the layout is validated (a `ValueError` naming the config field)
-before any process-group work; world size 1 creates no process group and every group is None;
-a group is also None when its degree is 1, so callers test `group is None` instead of sizes.
+`ep` ranks hold different experts, `edp` ranks replicas of the same experts, `dp` (= edp x ep)
+ranks replicas of the dense weights. The layout is validated before any process-group work. A
+group is None when its degree is 1, so callers test `group is None` instead of sizes.
 """
 
 from __future__ import annotations
@@ -27,33 +25,31 @@ from moetrain.config import RunConfig
 MESH_AXES = ("pp", "edp", "ep")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelDims:
-    world_size: int
-    rank: int
-    local_rank: int
-    dp: int
-    ep: int
-    pp: int
+    """The defaults describe one process: no mesh, every group None, every rank 0."""
+
     device: torch.device
-    mesh: DeviceMesh | None  # axes MESH_AXES; None at world size 1
-    dp_mesh: DeviceMesh | None  # ("edp", "ep") flattened to one axis "dp" (FSDP shards over it)
-    dp_group: ProcessGroup | None
-    ep_group: ProcessGroup | None
-    edp_group: ProcessGroup | None
-    pp_group: ProcessGroup | None
-    dp_rank: int
-    ep_rank: int
-    edp_rank: int
-    pp_rank: int
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    mesh: DeviceMesh | None = None  # axes MESH_AXES
+    dp_mesh: DeviceMesh | None = None  # ("edp", "ep") flattened to one axis "dp" (FSDP shards)
+    dp_group: ProcessGroup | None = None
+    ep_group: ProcessGroup | None = None
+    edp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
+    dp_rank: int = 0
+    ep_rank: int = 0
+    edp_rank: int = 0
+    pp_rank: int = 0
 
     @property
     def edp(self) -> int:
         return self.dp // self.ep
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 @dataclass(frozen=True)
@@ -112,25 +108,7 @@ def init_distributed(config: RunConfig, device_type: str | None = None) -> Paral
         device = torch.device(device_type)
 
     if launch.world_size == 1:
-        return ParallelDims(
-            world_size=1,
-            rank=0,
-            local_rank=launch.local_rank,
-            dp=1,
-            ep=1,
-            pp=1,
-            device=device,
-            mesh=None,
-            dp_mesh=None,
-            dp_group=None,
-            ep_group=None,
-            edp_group=None,
-            pp_group=None,
-            dp_rank=0,
-            ep_rank=0,
-            edp_rank=0,
-            pp_rank=0,
-        )
+        return ParallelDims(local_rank=launch.local_rank, device=device)
 
     if not dist.is_initialized():
         os.environ.setdefault("RANK", str(launch.rank))

@@ -1,23 +1,18 @@
-"""The parallelization recipe: one ordered list of transforms applied to a built model.
+"""The parallelization recipe: ordered transforms of a built model, each in place and keeping
+parameter names (checkpoints and parameter groups see the same names under every layout).
 
-    1. pipeline split           pp > 1: keep only this rank's pipeline stages (apply_pipeline_split;
-                                the schedule is built on the materialized model: pipeline.Pipeline)
-    2. expert parallelism      shard experts over ep, install the EP dispatcher (apply_ep)
+    1. pipeline split            pp > 1: keep only this rank's stages (the schedule is built on
+                                 the materialized model: pipeline.Pipeline)
+    2. expert parallelism        shard experts over ep, install the dispatcher (apply_ep)
     3. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
-    4. torch.compile            each block on its own (nn.Module.compile, in place)
-    5. data parallelism         FSDP2 when parallel.data_parallel == "fsdp"; for "ddp" the trainer
-                                wraps its backward with data.GradientSync instead
+    4. torch.compile             each block on its own
+    5. FSDP2                     parallel.data_parallel == "fsdp" (ddp: the optimizer's
+                                 GradientSync instead)
 
-Ordering: the pipeline split first, on the global model (blocks keyed by global layer index), so
-every later step touches only this rank's layers; EP next, because it changes parameter shapes
-and the dispatchers later steps wrap; checkpointing before compile, so the compiled region holds
-the checkpoint; FSDP last, owning the final parameters (torchtitan's order). FSDP is not combined
-with pp > 1, nor zero_bubble with compile (torch cannot split a compiled block's backward into
-input and weight parts).
-Every transform works in place and keeps parameter names, so checkpoints and parameter groups
-see the same names under every layout; on the meta device or a materialized model. With fsdp,
-`init_weights` on a sharded meta model does not reproduce the single-process weights: for "same
-seed, same global weights", initialize before `parallelize`.
+The split comes first, so later steps touch only this rank's layers; EP changes parameter shapes
+and the dispatchers later steps wrap; checkpointing goes inside the compiled region; FSDP owns
+the final parameters (torchtitan's order). With fsdp, initialize before `parallelize` for the
+single-process weights of a seed.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ from moetrain.parallel.comm import all_reduce_counts, traceable
 from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep
 from moetrain.parallel.mesh import ParallelDims
-from moetrain.parallel.pipeline import apply_pipeline_split
+from moetrain.parallel.pipeline import pipeline_layout, split_model
 
 
 def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Transformer:
@@ -48,7 +43,7 @@ def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Tr
                 "zero-bubble schedules split each backward into input and weight passes, which "
                 "a compiled region does not support; set parallel.compile=false"
             )
-        apply_pipeline_split(model, config, dims)
+        split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
     apply_ep(model, dims, config)
     apply_global_load_balance(model, config, dims)
     apply_activation_checkpointing(model, config.parallel.activation_checkpointing)

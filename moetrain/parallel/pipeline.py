@@ -1,27 +1,11 @@
 """Pipeline parallelism: this rank's stages of the model, run by a torch.distributed.pipelining
-schedule, with expert and data parallelism inside every stage.
+schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble), with expert and data parallelism inside
+every stage. docs/design.md ("Pipeline stages are the model minus what they do not own") gives
+the split, the loss and gradient scaling, and what is not combined.
 
-Split: the layers are cut into num_stages = pp x v contiguous ranges (`plan.stage_layer_ranges`;
-v = 2 for interleaved_1f1b, else 1; the first and last stage, which also hold the embedding and
-the head, get the fewer layers). Stage s runs on pp rank s % pp (torch's loop placement); the
-last stage holds the final norm and LM head and computes the loss. `split_model` deletes the
-modules none of this rank's stages owns; the rest keep their global names, so parameter groups,
-optimizer states and checkpoints see global names and reshard across pipeline layouts.
-
-Schedules (`parallel.pp_schedule`): gpipe, 1f1b, interleaved_1f1b (2 stages per rank) and
-zero_bubble (ScheduleInterleavedZeroBubble with one stage per rank: ZB-H1). Stage shapes are
-static, so no stage runs a metadata-inference forward (which would count routes, draw random
-experts and run all-to-alls outside the step).
-
-One step: `forward_backward` stacks the step's accumulation micro-batches into one batch and
-`schedule.step` cuts it into m = parallel.pp_microbatches pipeline micro-batches. The loss is
-`model.loss / m` and every MoE layer's `aux_grad_scale` 1 / m, so gradients are those of the
-step's mean loss; the schedule's own scaling is off (it would divide after the sync hooks read
-the gradients). Every backward of a stage but its last runs under `no_sync()`.
-
-Across stages: the loss is summed over pp every step (every stage must agree on skipping a
-non-finite step), the gradient norm in `global_grad_norm` / `ShardedAdamW`, and MoE routing
-statistics are gathered to every rank (`gather_moe_stats`) so the log shows every layer.
+Contract: kept modules keep their global names (optimizer states and checkpoints reshard across
+pipeline layouts); `forward_backward` returns the same loss on every stage (summed over pp);
+`gather_moe_stats` gives every rank every layer's routing statistics.
 """
 
 from __future__ import annotations
@@ -155,11 +139,6 @@ def split_model(model: Transformer, layout: PipelineLayout, pp_rank: int) -> Non
         model.embed = None
     if layout.num_stages - 1 not in stages:
         model.norm, model.lm_head = None, None
-
-
-def apply_pipeline_split(model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
-    """The recipe's pipeline step: keep this rank's stages (see `split_model`)."""
-    split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
 
 
 class StageModule(nn.Module):

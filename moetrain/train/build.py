@@ -145,17 +145,18 @@ def apply_precision(model: Transformer, config: RunConfig, device: torch.device)
 
 
 def _fp8_mode(setting: str, device: torch.device) -> str:
-    """ "fp8" where FP8 tensor cores run, "fp8-emulated" off the GPU; a GPU without them is a
-    start-up error naming `setting`."""
+    """ "fp8" where FP8 tensor cores run, "fp8-emulated" off the GPU (numerics only, with a
+    note); a GPU without them is a start-up error naming `setting`."""
     reason = fp8_unsupported_reason(device)
     if device.type == "cuda" and reason is not None:
         raise ValueError(f"{setting}=fp8_rowwise is unavailable: {reason}; use 'bf16'")
+    if reason is not None:
+        print(f"note: {setting}=fp8_rowwise runs as an emulation: numerics, not speed")
     return "fp8" if reason is None else "fp8-emulated"
 
 
 def install_fp8_linears(model: Transformer, config: RunConfig, device: torch.device) -> None:
-    """precision.linear=fp8_rowwise: attention projections and dense SwiGLUs in FP8. On the CPU
-    an emulation (numerics only); a GPU without FP8 tensor cores is a start-up error."""
+    """precision.linear=fp8_rowwise: attention projections and dense SwiGLUs in FP8."""
     mode = _fp8_mode("precision.linear", device)
     m = config.model
     for module in model.modules():
@@ -165,22 +166,17 @@ def install_fp8_linears(model: Transformer, config: RunConfig, device: torch.dev
                 "num_heads * head_dim": module.num_heads * module.head_dim,
                 "num_kv_heads * head_dim": module.num_kv_heads * module.head_dim,
             }
-            check_fp8_widths("precision.linear=fp8_rowwise", **widths)
-            module.fp8 = mode
-            module.fp8_fast_accum = config.precision.fp8_fast_accum
         elif isinstance(module, SwiGLU):
-            check_fp8_widths(
-                "precision.linear=fp8_rowwise", d_model=m.d_model, hidden=module.hidden
-            )
-            module.fp8 = mode
-            module.fp8_fast_accum = config.precision.fp8_fast_accum
-    if mode == "fp8-emulated":
-        print("note: precision.linear=fp8_rowwise runs as an emulation: numerics, not speed")
+            widths = {"d_model": m.d_model, "hidden": module.hidden}
+        else:
+            continue
+        check_fp8_widths("precision.linear=fp8_rowwise", **widths)
+        module.fp8 = mode
+        module.fp8_fast_accum = config.precision.fp8_fast_accum
 
 
 def install_fp8_lm_head(model: Transformer, config: RunConfig, device: torch.device) -> None:
-    """precision.lm_head=fp8_rowwise: the LM head's logits and input gradient in FP8 (nn.loss).
-    On the CPU an emulation (numerics only); a GPU without FP8 tensor cores is a start-up error."""
+    """precision.lm_head=fp8_rowwise: the LM head's logits and input gradient in FP8 (nn.loss)."""
     mode = _fp8_mode("precision.lm_head", device)
     m = config.model
     check_fp8_widths(
@@ -189,8 +185,6 @@ def install_fp8_lm_head(model: Transformer, config: RunConfig, device: torch.dev
     )
     model.lm_head_fp8 = mode
     model.lm_head_fp8_fast_accum = config.precision.fp8_fast_accum
-    if mode == "fp8-emulated":
-        print("note: precision.lm_head=fp8_rowwise runs as an emulation: numerics, not speed")
 
 
 def resolve_param_dtype(config: RunConfig, device: torch.device) -> torch.dtype:

@@ -1,16 +1,12 @@
 """Evaluation: a run's validation loss, its evaluation sets and its multiple-choice tasks, scored
-on the same sequences at every evaluation and in every layout.
+on the same rows at every evaluation and in every layout (docs/design.md "Evaluation scores fixed
+rows, in any layout").
 
-What is scored is rows (data/heldout.py, data/tasks.py): `train.eval_sequences` windows of the
-val split (of each source of a mix) and of each `data.eval_sets` directory, and each task's
-(context, choice) pairs. Row i goes to dp rank i mod dp, in micro-batches of the training shape
-(under pp, whole schedule steps) padded with unscored rows, so every rank runs the same forwards
-(EP and pipeline collectives need it). A row's summed NLL lands in its own slot of a float64
-vector summed over dp and pp: one contributor a slot, so the sum is exact and equals one
-process's wherever a row's forward does not depend on its batch. One host read per evaluation;
-nothing is checkpointed (the sets are functions of the config and data). The record is
-metrics.jsonl's "eval" kind (train/observe.py); a loss is the mean over scored tokens, a mix's
-val_loss its sources' weighted mean. `evaluate_checkpoint` is `moetrain eval`.
+Row i goes to dp rank i mod dp, in micro-batches of the training shape padded with unscored rows,
+so every rank runs the same forwards (EP and pipeline collectives need it). A row's summed NLL
+lands in its own slot of a float64 vector summed over dp and pp: one contributor a slot, so the
+sum is exact. One host read per evaluation; nothing is checkpointed. The record is
+metrics.jsonl's "eval" kind (train/observe.py). `evaluate_checkpoint` is `moetrain eval`.
 """
 
 from __future__ import annotations

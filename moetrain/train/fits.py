@@ -1,10 +1,7 @@
-"""Will this run fit in this machine's memory? The planner's prediction, checked before any
-allocation, so a run that cannot fit is a clear error instead of the OS killing it mid-build.
-
-The prediction, the peak over stages of `plan.memory.stage_memory` for the run's layout, is
-compared with the CUDA device's free memory, or on CPU with MemAvailable shared by this node's
-processes. It errs towards letting a run start (small CPU overhead, the replicated AdamW's states
-counted as sharded; a layout the planner cannot model skips the check). `force` skips it.
+"""Will this run fit in this machine's memory? The planner's predicted peak
+(`plan.memory.stage_memory`) against the CUDA device's free memory, or on CPU MemAvailable shared
+by this node's processes, checked before any allocation. It errs towards letting a run start; a
+layout the planner cannot model skips the check, and `force` skips it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
-"""A whole training step as one CUDA graph: capture it once, then replay it every step.
+"""A whole training step as one CUDA graph: capture it once, then replay it every step
+(docs/design.md "The whole step is one CUDA graph where it can be").
 
-Nothing in the step waits for the host (no `.item()`, no data-dependent shapes or branches), so
-forward, backward, clip, optimizer, MoE bias update and metric sums are a fixed kernel sequence;
-one replay removes the host's launch work, which on small models outlasts the GPU's.
-
-What changes between steps travels through memory the graph reads: the micro-batches are copied
-into static buffers, the learning rate into a device scalar. The first `warmup` steps run eagerly
-on a side stream (compilation, autotuning and optimizer state happen before capture).
-`StepGraph.unsupported_reason` names what cannot be graphed: random routing; fp32 expert GEMMs
-(`_grouped_mm` reads the offsets on the host); an optimizer other than the replicated AdamW with
-the Triton kernel; and at world size > 1 `multi_process_reason`'s cases: gloo, the all_to_all
-dispatcher (host split sizes), FSDP and pipelines (not verified), TORCH_NCCL_BLOCKING_WAIT.
-Otherwise NCCL (>= 2.9.6) collectives are captured with the step (the warm-up creates the
-communicators). Several processes are graphed only with `train.cuda_graph=true` (not yet run on
-several GPUs), and a failed capture then raises on that rank: one that went on eagerly would
-issue collectives its peers replay inside a graph.
+Nothing in the step waits for the host, so it is a fixed kernel sequence; what changes between
+steps travels through memory the graph reads (the micro-batches copied into static buffers, the
+learning rate into a device scalar). The first `warmup` steps run eagerly on a side stream
+(compilation, autotuning and optimizer state happen before capture). `unsupported_reason` and
+`multi_process_reason` name what cannot be graphed. Several processes are graphed only with
+`train.cuda_graph=true`, and a failed capture then raises on that rank: one that went on eagerly
+would issue collectives its peers replay inside a graph.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""What a log step reads from the device and writes: the step accumulators and each MoE layer's
-statistics, reduced over the ranks (and gathered over pipeline stages) so that every rank logs
-the same (`collect_log_values`, device tensors only), and the train record of metrics.jsonl built
-from them after one copy to the host (`train_record`).
+"""What a log step reads from the device: the step accumulators and each MoE layer's statistics,
+reduced over the ranks so that every rank logs the same (`collect_log_values`), and the train
+record built from them after one copy to the host (`train_record`).
 """
 
 from __future__ import annotations

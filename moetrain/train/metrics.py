@@ -1,7 +1,6 @@
-"""Throughput, FLOP and memory accounting, and where metrics go: console, JSONL, TensorBoard,
-and Weights & Biases when asked (train/wandb_log.py). Values arrive as device tensors at the log
-cadence and are read once there. MFU: model FLOPs (model/flops.py) against the GPU's datasheet
-dense BF16 peak.
+"""Throughput, FLOP and memory accounting, and where metrics go: console, JSONL, TensorBoard and
+Weights & Biases (train/wandb_log.py). MFU: model FLOPs (model/flops.py) against the GPU's
+datasheet dense BF16 peak.
 """
 
 from __future__ import annotations

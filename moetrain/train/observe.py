@@ -1,10 +1,6 @@
-"""Routing observability: what the experts actually receive, beyond the auxiliary losses.
-
-The load-balancing loss can improve while the real load gets more imbalanced (a router that
-flattens its probabilities but sends most routes to a few experts), so every log line carries
-measured load statistics per MoE layer and `TokenGamingDetector` warns when the two disagree.
-Everything runs at the log cadence on host values (`summarize_moe_stats` makes one device-to-host
-copy). Also `read_metrics` and `TensorBoardWriter`.
+"""Routing observability: measured expert load per MoE layer at every log step (the balance loss
+can improve while the real load gets worse; `TokenGamingDetector` warns then), and where records
+go besides metrics.jsonl (`read_metrics`, `TensorBoardWriter`).
 
 metrics.jsonl holds one JSON object per line, appended by the trainer:
     {"kind": "train", "step", "loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
@@ -182,9 +178,6 @@ class TokenGamingDetector:
             f"{steps[0]}-{steps[-1]} (fitted trend): the balance loss is being gamed; "
             f"judge balance by the measured load"
         )
-
-    def reset(self) -> None:
-        self._history.clear()
 
 
 def _fitted_trend(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:

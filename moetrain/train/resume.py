@@ -1,7 +1,6 @@
-"""What a resume checks and says before it loads a checkpoint's state, for the CLI and the
-Trainer alike: the checkpoint's config against the run's (`config_resume.check_resumable`), what
-the learning rate does next (`optim.schedule.lr_change`: a jump is an error unless allowed), and
-the changes, printed once on the main rank's stderr.
+"""What a resume checks before it loads a checkpoint, for the CLI and the Trainer alike: the
+checkpoint's config against the run's, what the learning rate does next (a jump is an error unless
+allowed), and the changes, printed once on the main rank's stderr.
 """
 
 from __future__ import annotations

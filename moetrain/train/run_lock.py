@@ -1,17 +1,13 @@
-"""A lock on a run directory for the life of a run, so two trainings never share one.
+"""A lock on a run directory for the life of a run, so two trainings never share one
+(docs/reliability.md "One run per run directory"). Only the main rank takes it.
 
-The lock is `RUN_DIR/run.lock`, created with O_CREAT | O_EXCL (one creator wins, also on a shared
-filesystem), holding JSON with host, pid, start time and a random token; a daemon thread
-refreshes its modification time every `heartbeat_s`. It is stale, and taken over, when its
-holder ran on this host and its pid is gone, when the heartbeat is older than `stale_after_s`,
-or when this very process holds it (a second Trainer on the same directory).
-
-A take-over removes exactly the stale lock it judged: it renames whatever is at `run.lock` to a
-unique name (one contender gets each file) and compares the token; another contender's fresh
-lock is linked back into place (a link never replaces a newer file). A holder whose file no
-longer carries its token has lost the lock: the heartbeat records why in `lost`, and the trainer
-stops at its next step boundary without saving. `release` removes the file only while it holds
-this lock's token. Only the main rank takes the lock.
+`RUN_DIR/run.lock` is created with O_CREAT | O_EXCL (one creator wins, also on a shared
+filesystem) and holds host, pid, start time and a random token; a daemon thread refreshes its
+modification time every `heartbeat_s`. It is stale, and taken over, when its holder ran on this
+host and its pid is gone, when the heartbeat is older than `stale_after_s`, or when this very
+process holds it. A take-over removes exactly the stale lock it judged (`RunLock._break`). A
+holder whose file no longer carries its token has lost the lock (`lost`), and the trainer stops
+at its next step boundary without saving.
 """
 
 from __future__ import annotations

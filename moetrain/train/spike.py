@@ -1,10 +1,8 @@
-"""Loss-spike detection on the device: is this step's loss far above the recent ones?
-
-A step is a spike when its loss exceeds ``mean + sigma * std`` (population std) of the last
-`window` applied steps' losses, once the window is full; the trainer skips it like a non-finite
-step. Only applied steps enter the window, so a lasting jump is skipped until
-`train.max_bad_steps` stops the run. The window is a device ring buffer and the decision a device
-bool (no host sync); the window travels in checkpoints so resumed runs decide alike.
+"""Loss-spike detection on the device: a step is a spike when its loss exceeds
+``mean + sigma * std`` (population std) of the last `window` applied steps' losses, once the
+window is full; the trainer skips it like a non-finite step. Only applied steps enter the window,
+so a lasting jump is skipped until `train.max_bad_steps` stops the run. No host sync; the window
+travels in checkpoints so resumed runs decide alike.
 """
 
 from __future__ import annotations

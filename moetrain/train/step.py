@@ -1,9 +1,6 @@
-"""One optimizer step's forward and backward passes, with every metric kept on the device.
-
-`forward_backward` backpropagates each accumulation micro-batch's mean cross-entropy scaled by
-1/accum (the MoE layers add their auxiliary losses' gradients at the same scale:
-moe/layer.py AddAuxLossGrad), under `no_sync` but for the last, and returns the mean loss as a
-device tensor (no host read).
+"""One optimizer step's forward and backward passes: each accumulation micro-batch's mean
+cross-entropy scaled by 1/accum (the MoE layers' auxiliary losses at the same scale), under
+`no_sync` but for the last; returns the mean loss as a device tensor (no host read).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The training loop: build, train with log/eval/checkpoint cadences, stop cleanly, resume exactly.
 
-Build order: the model is built on the meta device, parallelized, materialized with `to_empty`,
-initialized with `init_weights(seed)` and cast to the training dtype; then the optimizer, the
-data loaders, and with `resume` the newest complete checkpoint's state.
-
 One step: forward/backward (train/step.py) -> gradient sync -> global-norm clip -> optimizer
-step, skipped on the device when the loss or a gradient is not finite or the loss spikes
-(train/spike.py) -> MoE end-of-step. Metrics stay on the device until the log cadence. SIGTERM /
-Ctrl-C finish the step, save and return; `train.max_bad_steps` consecutive skipped steps (seen
-at a log step) save and stop with an error. An unwritable run directory, or one another run holds
-(train/run_lock.py), is an error before the model is built. Checkpoints record the tokens'
-content hash and carry the tokenizer; a resume checks them (train/resume.py).
+step, skipped on the device for a non-finite loss or gradient or a loss spike (train/spike.py)
+-> MoE end-of-step; metrics stay on the device until the log cadence. SIGTERM / Ctrl-C finish
+the step, save and return; `train.max_bad_steps` consecutive skipped steps save and stop with an
+error. The run directory is locked for the run (train/run_lock.py).
 """
 
 from __future__ import annotations
@@ -150,7 +144,8 @@ class Trainer:
         )
         self._stop_requested = False
         self._bad_run = torch.zeros((), device=self.device)
-        self._acc = self._new_accumulators()
+        keys = ("loss", "grad_norm", "good", "bad", "spikes", "max_bad_run")
+        self._acc = {k: torch.zeros((), device=self.device) for k in keys}
         self.phase_events: list | None = None
         self.step_graph = self._build_step_graph()
         self._control_group = dist.new_group(backend="gloo") if self.dims.world_size > 1 else None
@@ -345,10 +340,6 @@ class Trainer:
             all_reduce_stats([layer.step_tokens_per_expert_E for layer in layers], self.dims)
         for layer in layers:
             layer.end_of_step()
-
-    def _new_accumulators(self) -> dict[str, torch.Tensor]:
-        keys = ("loss", "grad_norm", "good", "bad", "spikes", "max_bad_run")
-        return {k: torch.zeros((), device=self.device) for k in keys}
 
     def _request_stop(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self._stop_requested = True

@@ -1,11 +1,8 @@
-"""Weights & Biases: an optional mirror of metrics.jsonl, next to TensorBoard.
-
-`train.wandb_project` turns it on. Asking without the `wandb` package is a start-up error naming
-`pip install wandb`; not asking never imports it. Without an API key (WANDB_API_KEY or ~/.netrc)
-the run logs offline into the run directory (`wandb sync` uploads it); WANDB_MODE, when set, is
-obeyed. The scalars are TensorBoard's (`scalar_tags`) at the training step. The W&B run id is
-kept in RUN_DIR/wandb-run-id: a resume from a checkpoint continues that run; every other start
-begins a new one (W&B would drop steps older than the old run's).
+"""Weights & Biases (`train.wandb_project`): an optional mirror of metrics.jsonl, next to
+TensorBoard, logging `scalar_tags` at the training step. Without an API key the run logs offline
+into the run directory (`wandb sync` uploads it). The run id is kept in RUN_DIR/wandb-run-id: a
+resume from a checkpoint continues that run; every other start begins a new one (W&B would drop
+steps older than the old run's).
 """
 
 from __future__ import annotations
