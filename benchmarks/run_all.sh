@@ -7,7 +7,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 if [[ ${PART:-1} == 1 ]]; then
   python3 -m moetrain bench --preset small --compare hf --profile --json "$OUT/small.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
   python3 -m moetrain bench --preset olmoe8 --compare hf --json "$OUT/olmoe8.json" --results-md "$R" 2>&1 | grep -v Warn | tail -8
-  python3 benchmarks/moe_layer_bench.py --preset small 2>&1 | tee -a "$OUT/moe_layer.txt"
 fi
 if [[ ${PART:-1} == 2 ]]; then
   python3 -m moetrain bench --sweep --optimizer bf16-adamw --json "$OUT/sweep.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
