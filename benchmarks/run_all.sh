@@ -11,7 +11,7 @@ fi
 if [[ ${PART:-1} == 2 ]]; then
   python3 -m moetrain bench --sweep --optimizer bf16-adamw --json "$OUT/sweep.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
   python3 -m moetrain bench --preset olmoe8 --optimizer mixed --set precision.experts=fp8_rowwise --json "$OUT/olmoe8_fp8.json" --results-md "$R" 2>&1 | grep -v Warn | tail -5
-  timeout 300 python3 benchmarks/fp8_training.py --parts kernels 2>&1 | tee "$OUT/fp8_kernels.txt"
+  timeout 300 python3 benchmarks/fp8_training.py 2>&1 | tee "$OUT/fp8_kernels.txt"
 fi
 if [[ ${PART:-1} == 3 ]]; then  # low precision: step time by recipe, then loss curves
   for p in "" "--set precision.experts=fp8_rowwise" "--set precision.experts=fp8_rowwise --set precision.dispatch=fp8"; do
