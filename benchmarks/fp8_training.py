@@ -1,51 +1,30 @@
-"""FP8 training on Hopper: moetrain's FP8 linears and expert GEMMs against torchao's and BF16, on
-the same shapes in the same job, then whole training steps.
+"""FP8 products on Hopper: moetrain's FP8 linears and expert GEMMs against torchao's and BF16, on
+the same shapes in the same job. (Whole FP8 steps: `moetrain bench --set precision.experts=...`.)
 
-    python benchmarks/fp8_training.py [--parts kernels,steps] [--presets olmoe8,small]
-        [--variants ...] [--steps 8] [--json OUT.json]
+    python benchmarks/fp8_training.py [--json OUT.json]
 
-1. kernels: compiled forward + backward of one product at olmoe8's shapes (16,384 tokens):
-   the q/k/v projection (2048 -> 6144) and the output projection (2048 -> 2048) as BF16
-   `F.linear`, moetrain's `fp8_linear` and torchao's `Float8Linear` (rowwise recipe); the expert
-   up projection (131,072 rows over 64 experts, 2048 -> 2048, group sizes rounded to 16, which
-   torchao requires) as BF16 `torch._grouped_mm`, moetrain's FP8RowwiseGroupedGemm and torchao's
-   `_to_fp8_rowwise_then_scaled_grouped_mm`, each in its own weight layout. Median ms (CUDA
-   events) and the relative error of output, input and weight gradient against fp32.
-   torchao is optional: without it its rows are skipped.
-2. steps: `moetrain bench`'s step (mixed optimizer, CUDA graph) of each preset in BF16 and in
-   the FP8 variants of VARIANTS (experts; experts composed per product; experts with precise
-   accumulation; experts and projections; and the LM head): median ms, peak GiB, graphed or not.
+Compiled forward + backward of one product at olmoe8's shapes (16,384 tokens): the q/k/v
+projection (2048 -> 6144) and the output projection (2048 -> 2048) as BF16 `F.linear`,
+moetrain's `fp8_linear` and torchao's `Float8Linear` (rowwise recipe); the expert up projection
+(131,072 rows over 64 experts, 2048 -> 2048, group sizes rounded to 16, which torchao requires)
+as BF16 `torch._grouped_mm`, moetrain's FP8RowwiseGroupedGemm and torchao's
+`_to_fp8_rowwise_then_scaled_grouped_mm`, each in its own weight layout. Median ms (CUDA events)
+and the relative error of output, input and weight gradient against fp32. torchao is optional:
+without it its rows are skipped.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-from moetrain.bench.harness import warmed_trainer
 from moetrain.bench.timing import time_steps
 from moetrain.moe.grouped_gemm import FP8RowwiseGroupedGemm
 from moetrain.nn.fp8 import fp8_linear
-from moetrain.presets import get_preset
-
-FP8_EXPERTS = ["precision.experts=fp8_rowwise"]
-VARIANTS = {  # name: (config overrides, FP8RowwiseGroupedGemm arguments other than the defaults)
-    "bf16": ([], {}),
-    "fp8 experts": (FP8_EXPERTS, {}),
-    "fp8 experts unfused": (FP8_EXPERTS, {"fuse_swiglu": False}),
-    "fp8 experts precise accum": ([*FP8_EXPERTS, "precision.fp8_fast_accum=false"], {}),
-    "fp8 experts+linear": ([*FP8_EXPERTS, "precision.linear=fp8_rowwise"], {}),
-    "fp8 experts+linear+head": (
-        [*FP8_EXPERTS, "precision.linear=fp8_rowwise", "precision.lm_head=fp8_rowwise"],
-        {},
-    ),
-}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,7 +90,7 @@ def linear_rows(tokens: int, reps: int) -> list[dict]:
             steps["torchao fp8 rowwise"] = ao_step
         for kind, step in steps.items():
             got = step()
-            ms = timed(step)
+            ms = timed(step, reps)
             flops = 6 * tokens * k * n
             rows.append(
                 {
@@ -184,64 +163,8 @@ def print_row(r: dict) -> None:
     )
 
 
-def time_variant(config, steps: int) -> dict:
-    """One preset and precision as `moetrain bench` builds it (mixed optimizer, CUDA graph)."""
-    torch.cuda.reset_peak_memory_stats()
-    with warmed_trainer(config, "mixed") as (trainer, it):
-        graphed = trainer.step_graph is not None and trainer.step_graph.graph is not None
-        times = time_steps(
-            lambda: trainer.train_step(it), warmup=2, steps=steps, device=trainer.device
-        )
-        loss = trainer.train_step(it).item()
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    ms = statistics.median(times)
-    return {"ms": ms, "peak_gib": peak, "graphed": graphed, "loss": loss, "times": times}
-
-
-@contextlib.contextmanager
-def expert_gemm(**gemm_args):
-    """Builds the FP8 expert GEMMs with these arguments (levers the trainer has no switch for)."""
-    from moetrain.train import build
-
-    make = build.make_grouped_gemm
-    if gemm_args:
-        build.make_grouped_gemm = lambda recipe, device, **kw: (
-            FP8RowwiseGroupedGemm(device, **kw, **gemm_args)
-            if recipe == "fp8_rowwise"
-            else make(recipe, device, **kw)
-        )
-    try:
-        yield
-    finally:
-        build.make_grouped_gemm = make
-
-
-def step_rows(presets: list[str], variants: list[str], steps: int) -> list[dict]:
-    rows = []
-    for preset in presets:
-        for variant in variants:
-            overrides, gemm_args = VARIANTS[variant]
-            config = get_preset(preset).with_overrides(overrides)
-            with expert_gemm(**gemm_args):
-                row = {"preset": preset, "variant": variant, **time_variant(config, steps)}
-            gc.collect()  # the trainer and its step graph's memory pool, before the next one
-            torch.cuda.empty_cache()
-            rows.append(row)
-            base = next(r for r in rows if r["preset"] == preset)
-            print(
-                f"  {preset:<8} {variant:<20} {row['ms']:8.2f} ms  x{row['ms'] / base['ms']:.3f}  "
-                f"peak {row['peak_gib']:6.2f} GiB  graphed {row['graphed']}  loss {row['loss']:.3f}",
-                flush=True,
-            )
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--parts", default="kernels,steps")
-    p.add_argument("--presets", default="olmoe8,small")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--json")
     args = p.parse_args()
     results: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
@@ -251,17 +174,11 @@ def main() -> None:
         results["torchao"] = torchao.__version__
     except ImportError:
         results["torchao"] = None
-    parts = args.parts.split(",")
-    if "kernels" in parts:
-        print("compiled forward + backward, olmoe8 shapes")
-        results["linear"] = linear_rows(16384, reps=20)
-        save(results, args.json)
-        results["grouped"] = grouped_rows(131072, 64, 2048, 2048, reps=10)
-        save(results, args.json)
-    if "steps" in parts:
-        print("training steps (moetrain bench, mixed optimizer)")
-        results["steps"] = step_rows(args.presets.split(","), args.variants.split(","), args.steps)
-        save(results, args.json)
+    print("compiled forward + backward, olmoe8 shapes")
+    results["linear"] = linear_rows(16384, reps=20)
+    save(results, args.json)
+    results["grouped"] = grouped_rows(131072, 64, 2048, 2048, reps=10)
+    save(results, args.json)
 
 
 def save(results: dict, path: str | None) -> None:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from moetrain.bench.timing import time_steps
 from moetrain.config import RunConfig
 from moetrain.model.transformer import Block
 from moetrain.moe.layer import MoELayer
@@ -58,6 +59,7 @@ from moetrain.parallel.loopback import LoopbackTransport
 from moetrain.presets import get_preset
 
 STAND_INS = ("sm8", "sm16", "sm24", "sm32", "ce")
+PAIRS = ("a2a", "fsdp_gather", "fsdp_reduce_scatter")
 
 try:
     import triton
@@ -131,15 +133,12 @@ class StandIn:
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 7, warmup: int = 2) -> float:  # fmt: skip
+    """Median ms of `reps` calls queued back to back (one synchronize at the end, so the GPU
+    never idles between calls); host timers off CUDA."""
+    if device.type != "cuda":
+        return statistics.median(time_steps(fn, warmup, reps, device))
     for _ in range(warmup):
         fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]  # fmt: skip
     for start, end in events:
         start.record()
@@ -238,11 +237,8 @@ class Recorder:
         self.write()
 
     def write(self) -> None:
-        pairs = {}
-        for kind in ("a2a", "fsdp_gather", "fsdp_reduce_scatter"):
-            best = best_stand_in([r for r in self.detail if r.get("pair") == kind])
-            if best is not None:
-                pairs[kind] = best
+        best = {k: best_stand_in([r for r in self.detail if r.get("pair") == k]) for k in PAIRS}
+        pairs = {k: v for k, v in best.items() if v is not None}
         out = {**self.meta, "pairs": pairs, "detail": self.detail}
         self.path.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -7,12 +7,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 if [[ ${PART:-1} == 1 ]]; then
   python3 -m moetrain bench --preset small --compare hf --profile --json "$OUT/small.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
   python3 -m moetrain bench --preset olmoe8 --compare hf --json "$OUT/olmoe8.json" --results-md "$R" 2>&1 | grep -v Warn | tail -8
-  python3 benchmarks/moe_layer_bench.py --preset small 2>&1 | tee -a "$OUT/moe_layer.txt"
 fi
 if [[ ${PART:-1} == 2 ]]; then
   python3 -m moetrain bench --sweep --optimizer bf16-adamw --json "$OUT/sweep.json" --results-md "$R" 2>&1 | grep -v Warn | tail -14
   python3 -m moetrain bench --preset olmoe8 --optimizer mixed --set precision.experts=fp8_rowwise --json "$OUT/olmoe8_fp8.json" --results-md "$R" 2>&1 | grep -v Warn | tail -5
-  timeout 300 python3 benchmarks/fp8_training.py --parts kernels 2>&1 | tee "$OUT/fp8_kernels.txt"
+  timeout 300 python3 benchmarks/fp8_training.py 2>&1 | tee "$OUT/fp8_kernels.txt"
 fi
 if [[ ${PART:-1} == 3 ]]; then  # low precision: step time by recipe, then loss curves
   for p in "" "--set precision.experts=fp8_rowwise" "--set precision.experts=fp8_rowwise --set precision.dispatch=fp8"; do

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,21 @@ def train_tiny(run_dir: Path, steps: int, *overrides: str, resume: bool = True) 
     trainer = Trainer(config, run_dir, resume=resume, progress=False)
     trainer.train()
     return trainer
+
+
+def error_of(errors: type[Exception], fn: Callable[..., object], *args, **kwargs) -> str | None:
+    """The message of the `errors` exception that fn(*args, **kwargs) raises, or None when it
+    returns."""
+    try:
+        fn(*args, **kwargs)
+    except errors as exc:
+        return str(exc)
+    return None
+
+
+def checkpoint_mtimes(run_dir: Path) -> dict[str, int]:
+    """Each entry of RUN_DIR/checkpoints and its modification time: unchanged means untouched."""
+    return {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()}
 
 
 def flip_a_byte(checkpoint: Path) -> None:

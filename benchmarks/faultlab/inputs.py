@@ -18,10 +18,7 @@ from hypothesis import strategies as st
 from moetrain.config import SECTIONS, RunConfig
 from moetrain.data import ByteTokenizer, prepare, write_token_dir
 
-from .harness import (
-    Outcome,
-    train_tiny,
-)
+from .harness import Outcome, checkpoint_mtimes, error_of, train_tiny
 
 
 # ---- hostile inputs ------------------------------------------------------------------------------
@@ -51,7 +48,7 @@ def hostile_inputs(work: Path) -> Outcome:
     out = Outcome("broken inputs", "bad token files, configs, model shape")
     run = work / "inputs_run"
     train_tiny(run, 2)
-    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+    before = checkpoint_mtimes(run)
     data_cases = {
         "truncated": r"train\.npy is truncated or corrupt",
         "wrong dtype": r"train\.npy holds int32 values but meta\.json says uint16",
@@ -73,13 +70,8 @@ def hostile_inputs(work: Path) -> Outcome:
     ]
     for name, overrides, pattern in cases:
         out.injected += 1
-        try:
-            train_tiny(run, 4, *overrides)
-            message = ""
-        except ValueError as exc:
-            message = str(exc)
-        after = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
-        ok = re.search(pattern, message) is not None and after == before
+        message = error_of(ValueError, train_tiny, run, 4, *overrides) or ""
+        ok = re.search(pattern, message) is not None and checkpoint_mtimes(run) == before
         out.survived += int(ok)
         out.details[name] = message
     empty = work / "empty.txt"

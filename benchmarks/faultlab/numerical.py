@@ -14,10 +14,7 @@ from moetrain.train import step as train_step
 from moetrain.train.observe import read_metrics
 from moetrain.train.trainer import TrainingStopped
 
-from .harness import (
-    Outcome,
-    train_tiny,
-)
+from .harness import Outcome, error_of, train_tiny
 
 
 def poison(kind: str, at_calls: set[int], seen: list[dict[str, torch.Tensor]]):
@@ -70,13 +67,9 @@ def numerical_faults(work: Path) -> list[Outcome]:
     stop = Outcome("K bad steps in a row", "3 spikes / 3 inf losses, max_bad_steps=3")
     for kind in ("spike", "inf loss"):
         run = work / f"numeric_stop_{kind.replace(' ', '_')}"
-        seen = []
-        message = ""
-        with poison(kind, {12, 13, 14}, seen):
-            try:
-                train_tiny(run, 20, *SPIKE, "train.max_bad_steps=3")
-            except TrainingStopped as exc:
-                message = str(exc)
+        with poison(kind, {12, 13, 14}, []):
+            args = (run, 20, *SPIKE, "train.max_bad_steps=3")
+            message = error_of(TrainingStopped, train_tiny, *args) or ""
         stop.injected += 1
         saved = manager.latest(run / "checkpoints")
         expect = "loss spike" if kind == "spike" else "non-finite"

@@ -19,7 +19,9 @@ from moetrain.data import prepare
 
 from .harness import (
     Outcome,
+    checkpoint_mtimes,
     clean_env,
+    error_of,
     flip_a_byte,
     last_logged,
     lost_steps,
@@ -44,19 +46,18 @@ def data_replaced(work: Path) -> Outcome:
     data, run = work / "replaced_data", work / "replaced_run"
     prepare([_write_documents(work / "a.jsonl", "alpha")], data, progress=False)
     train_tiny(run, 2, f"data.path={data}")
-    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+    before = checkpoint_mtimes(run)
     other = _write_documents(work / "b.jsonl", "beta gamma")
+
+    def prepare_and_resume(overwrite: bool) -> None:
+        prepare([other], data, progress=False, overwrite=overwrite)
+        train_tiny(run, 4, f"data.path={data}")
+
     for overwrite in (False, True):
         out.injected += 1
-        try:
-            prepare([other], data, progress=False, overwrite=overwrite)
-            train_tiny(run, 4, f"data.path={data}")
-            message = ""
-        except ValueError as exc:
-            message = str(exc)
-        after = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+        message = error_of(ValueError, prepare_and_resume, overwrite) or ""
         expected = "the data changed since checkpoint" if overwrite else "--overwrite"
-        out.survived += int(expected in message and after == before)
+        out.survived += int(expected in message and checkpoint_mtimes(run) == before)
         out.details[f"overwrite={overwrite}"] = message
     return out
 
@@ -126,12 +127,8 @@ def corrupt_rotation(work: Path) -> Outcome:
         flip_a_byte(run / "checkpoints" / f"step-{step}")
     out.injected += 1
     logged = (run / "metrics.jsonl").stat().st_size
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            train_tiny(run, 6)
-        message = ""
-    except manager.CheckpointError as exc:
-        message = str(exc)
+    with contextlib.redirect_stdout(io.StringIO()):
+        message = error_of(manager.CheckpointError, train_tiny, run, 6) or ""
     out.details["all corrupt"] = message
     named = "no checkpoint" in message and "step-2.corrupt, step-4.corrupt" in message
     out.survived += int(named and (run / "metrics.jsonl").stat().st_size == logged)

@@ -19,13 +19,7 @@ from moetrain.checkpoint import manager
 from moetrain.presets import tiny
 from moetrain.train.trainer import Trainer
 
-from .harness import (
-    BASE,
-    Outcome,
-    flip_a_byte,
-    lost_steps,
-    train_tiny,
-)
+from .harness import BASE, Outcome, error_of, flip_a_byte, lost_steps, train_tiny
 
 
 @contextlib.contextmanager
@@ -63,12 +57,8 @@ def disk_full(work: Path) -> Outcome:
         run = work / f"disk_full_{where}"
         train_tiny(run, 2)
         out.injected += 1
-        message = ""
         with disk_full_in(where):
-            try:
-                train_tiny(run, 4)
-            except manager.CheckpointError as exc:
-                message = str(exc)
+            message = error_of(manager.CheckpointError, train_tiny, run, 4) or ""
         names = sorted(p.name for p in (run / "checkpoints").iterdir())
         clear = "no space left on device" in message and "step-2" in message
         intact = names == ["step-2"] and manager.latest(run / "checkpoints").name == "step-2"
@@ -86,12 +76,9 @@ def unwritable_run_dir(work: Path) -> Outcome:
     before the model is built."""
     blocker = work / "not_a_directory"
     blocker.write_text("")
-    message = ""
-    try:
-        Trainer(tiny().with_overrides(BASE), blocker / "run", progress=False)
-    except manager.CheckpointError as exc:
-        message = str(exc)
-    ok = "cannot write checkpoints to" in message and str(blocker / "run") in message
+    config, run = tiny().with_overrides(BASE), blocker / "run"
+    message = error_of(manager.CheckpointError, Trainer, config, run, progress=False) or ""
+    ok = "cannot write checkpoints to" in message and str(run) in message
     return Outcome(
         "unwritable run directory",
         "run dir below a regular file",

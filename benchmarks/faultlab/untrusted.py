@@ -24,10 +24,7 @@ from moetrain.convert.io import export_checkpoint
 from moetrain.presets import tiny
 from moetrain.train.trainer import Trainer
 
-from .harness import (
-    Outcome,
-    train_tiny,
-)
+from .harness import Outcome, error_of, train_tiny
 
 
 class Payload:
@@ -110,11 +107,7 @@ def hostile_checkpoints(work: Path) -> Outcome:
         marker = work / f"{slug}.pwned"
         plant(run / "checkpoints" / "step-2", marker)
         out.injected += 1
-        try:
-            load(run)
-            rejected = False
-        except manager.CheckpointError:
-            rejected = True
+        rejected = error_of(manager.CheckpointError, load, run) is not None
         out.survived += int(rejected and not marker.exists())
         out.details[name] = {"rejected": rejected, "payload_ran": marker.exists()}
     return out

@@ -52,13 +52,8 @@ def param_counts(config: RunConfig) -> ParamCounts:
         + num_moe * (router + shared)
         + experts_total
     )
-    active = (
-        (lm_head or embedding)
-        + D
-        + m.num_layers * per_layer_common
-        + m.num_dense_layers * dense_mlp
-        + num_moe * (router + shared + moe.top_k * expert)
-    )
+    # a token touches top_k of each layer's experts; an untied model's input embedding is a lookup
+    active = total - experts_total + num_moe * moe.top_k * expert - (embedding if lm_head else 0)
     return ParamCounts(
         total=total,
         active=active,

@@ -176,29 +176,21 @@ class Transformer(nn.Module):
         m = self.config.model
         std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
         self.init_buffers()
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.init_weights()
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                continue
-            if name == "embed.weight":
+            residual = name.endswith(("o_proj.weight", "w_down.weight", "w_down_eFD"))
+            if name.endswith("norm.weight"):  # every RMSNorm
+                param.fill_(1.0)
+            elif name == "embed.weight":
                 _normal(param, std, seed, name, truncate=False)
             elif name == "lm_head.weight":
                 _normal(param, m.d_model**-0.5, seed, name)
-            elif name.endswith(("o_proj.weight", "w_down.weight")):
-                _normal(param, out_std, seed, name)
-            elif name.endswith("w_down_eFD") or name.endswith("w_up_eD2F"):
-                expert_std = out_std if name.endswith("w_down_eFD") else std
-                offset = getattr(_owner(self, name), "expert_offset", 0)
+            elif name.endswith(("w_down_eFD", "w_up_eD2F")):
+                owner = self.get_submodule(name.rsplit(".", 1)[0])
                 for i in range(param.shape[0]):
-                    _normal(param[i], expert_std, seed, f"{name}[{offset + i}]")
+                    expert = f"{name}[{owner.expert_offset + i}]"
+                    _normal(param[i], out_std if residual else std, seed, expert)
             else:
-                _normal(param, std, seed, name)
-
-
-def _owner(model: nn.Module, param_name: str) -> nn.Module:
-    return model.get_submodule(param_name.rsplit(".", 1)[0])
+                _normal(param, out_std if residual else std, seed, name)
 
 
 def _normal(t: torch.Tensor, std: float, seed: int, name: str, truncate: bool = True) -> None:

@@ -17,7 +17,7 @@ sees only this interface; expert parallelism swaps in dispatchers that move rows
 
 moe.overlap runs both in halves so compute runs while rows move: `dispatch_begin(x_TD, routing)`
 launches the movement, `dispatch_end(pending)` waits for it on the device (and `combine_begin` /
-`combine_end` likewise). A dispatcher that moves nothing works in the begin half (`Immediate`).
+`combine_end` likewise). A dispatcher that moves nothing works in the begin half.
 """
 
 from __future__ import annotations
@@ -57,22 +57,6 @@ class Dispatcher(Protocol):
     def combine_end(self, pending: Any) -> torch.Tensor: ...
 
 
-class Immediate:
-    """The halves of a dispatcher that moves nothing: begin does the work, end hands it over."""
-
-    def dispatch_begin(self, x_TD, routing):
-        return self.dispatch(x_TD, routing)
-
-    def dispatch_end(self, pending):
-        return pending
-
-    def combine_begin(self, y_ND, handle):
-        return self.combine(y_ND, handle)
-
-    def combine_end(self, pending):
-        return pending
-
-
 @dataclass
 class LocalHandle:
     order_N: torch.Tensor  # flat (token, k) route index of each expert-ordered row
@@ -81,7 +65,7 @@ class LocalHandle:
     rows_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # with `fp8_rows`
 
 
-class LocalDispatcher(Immediate):
+class LocalDispatcher:
     """All experts on this device. A stable sort of the T*K routes by expert id gives the row
     order (deterministic); the rows move by kernels/gather.py. The experts apply the router
     weights, so `combine` keeps no (T*K, D) expert outputs for its backward. `payload="fp8"`
@@ -105,12 +89,25 @@ class LocalDispatcher(Immediate):
         inverse_TK = inverse_permutation(order_N).view(num_tokens, top_k)
         rows_ND = gather_routes(x_TD, order_N, inverse_TK)
         offsets_e = routing.tokens_per_expert_E.cumsum(0).to(torch.int32)
-        row_weights_N = permute_routes(routing.weights_TK.reshape(-1), order_N, inverse_TK)
+        row_weights_N = gather_rows(routing.weights_TK.reshape(-1), order_N, inverse_TK.view(-1))
         rows_fp8 = gather_fp8_rows(x_TD, order_N // top_k) if self.fp8_rows else None
         return rows_ND, offsets_e, LocalHandle(order_N, inverse_TK, row_weights_N, rows_fp8)
 
     def combine(self, y_ND: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
         return sum_routes(y_ND, handle.order_N, handle.inverse_order_TK)
+
+    # the halves (moe.overlap): nothing moves, so begin does the work and end hands it over
+    def dispatch_begin(self, x_TD, routing):
+        return self.dispatch(x_TD, routing)
+
+    def dispatch_end(self, pending):
+        return pending
+
+    def combine_begin(self, y_ND, handle):
+        return self.combine(y_ND, handle)
+
+    def combine_end(self, pending):
+        return pending
 
 
 def gather_fp8_rows(x_TD: torch.Tensor, token_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,10 +135,10 @@ def inverse_permutation(order_N: torch.Tensor) -> torch.Tensor:
 
 
 class _GatherRows(torch.autograd.Function):
-    """out[m] = src[index[m]], no src row read twice except rows whose gradient is dropped
-    (padding, a sink). Backward, a gather: grad_src[r] = grad_out[back[r]], back[r] = the
-    position that read row r, or len(index) (a zero row). Indexing's own backward would
-    scatter-add (a sort on GPU, serialized on the sink row)."""
+    """`gather_rows(src, index, back)`: out[m] = src[index[m]], no src row read twice except rows
+    whose gradient is dropped (padding, a sink). Backward, a gather: grad_src[r] =
+    grad_out[back[r]], back[r] = the position that read row r, or len(index) (a zero row).
+    Indexing's own backward would scatter-add (a sort on GPU, serialized on the sink row)."""
 
     @staticmethod
     def forward(ctx, src, index, back):  # type: ignore[override]
@@ -155,19 +152,13 @@ class _GatherRows(torch.autograd.Function):
         return padded[back], None, None
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
-    """src[index], differentiable, with the backward a gather by `back` (see _GatherRows)."""
-    return _GatherRows.apply(src, index, back)
-
-
-def permute_routes(v_N: torch.Tensor, order_N: torch.Tensor, inverse_TK: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """A per-route tensor (leading dim in flat (token, k) order, any trailing dims) in
-    expert-row order, differentiable."""
-    return gather_rows(v_N, order_N, inverse_TK.reshape(-1))
+gather_rows = _GatherRows.apply
 
 
 class _WeightedSumOfRoutes(torch.autograd.Function):
-    """Float32 products and sums; saves y in its own dtype (not a float32 copy)."""
+    """`weighted_sum_of_routes(y_TKD, weights_TK)`: sum_k w[t, k] * y[t, k, :], accumulated in
+    float32, in y's dtype (the EP dispatchers' combine); saves y in its own dtype (not a float32
+    copy). Elementwise, not a bmm (tiny GEMMs at K of 2-8); compiled, it fuses."""
 
     @staticmethod
     def forward(ctx, y_TKD, weights_TK):  # type: ignore[override]
@@ -184,7 +175,4 @@ class _WeightedSumOfRoutes(torch.autograd.Function):
         return grad_y, grad_w
 
 
-def weighted_sum_of_routes(y_TKD: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * y[t, k, :], accumulated in float32, in y's dtype (the EP dispatchers'
-    combine). Elementwise, not a bmm (tiny GEMMs at K of 2-8); compiled, it fuses."""
-    return _WeightedSumOfRoutes.apply(y_TKD, weights_TK)
+weighted_sum_of_routes = _WeightedSumOfRoutes.apply

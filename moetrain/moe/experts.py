@@ -38,29 +38,23 @@ def grouped_mm_reference(
     return out_NF
 
 
-def grouped_mm_unsupported_reason(dtype: torch.dtype, widths: dict[str, int]) -> str | None:
-    """Why `torch._grouped_mm` cannot multiply operands of `dtype` whose rows have these widths
-    (name -> elements), or None: it needs fp32/bf16/fp16 and rows of a multiple of 16 bytes."""
-    if dtype not in _GROUPED_MM_DTYPES:
-        return f"torch._grouped_mm has no {dtype} kernel"
-    size = torch.empty((), dtype=dtype).element_size()
-    bad = [f"{name} ({n})" for name, n in widths.items() if n * size % 16]
-    if bad:
-        return f"{' and '.join(bad)} must be multiples of {16 // size} in {dtype} (16-byte rows)"
-    return None
-
-
 def grouped_mm(x_ND: torch.Tensor, w_eDF: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
     """`torch._grouped_mm`: one kernel for all experts, offsets read on the device. float64
-    (tests only) takes the reference loop; anything else the kernel rejects is a ValueError,
-    never a silent slow loop (the config checks the widths at start-up)."""
+    (tests only) takes the reference loop; anything else the kernel rejects (other dtypes, rows
+    not a multiple of 16 bytes) is a ValueError, never a silent slow loop (the config checks the
+    widths at start-up)."""
     if x_ND.dtype == torch.float64:
         return grouped_mm_reference(x_ND, w_eDF, offsets_e)
-    d, f = w_eDF.shape[1:]
-    widths = {"the input width": d, "output width": f}
-    reason = grouped_mm_unsupported_reason(x_ND.dtype, widths)
-    if reason is not None:
-        raise ValueError(f"grouped_mm: {reason}")
+    if x_ND.dtype not in _GROUPED_MM_DTYPES:
+        raise ValueError(f"grouped_mm: torch._grouped_mm has no {x_ND.dtype} kernel")
+    size = x_ND.element_size()
+    widths = {"the input width": w_eDF.shape[1], "output width": w_eDF.shape[2]}
+    bad = [f"{name} ({n})" for name, n in widths.items() if n * size % 16]
+    if bad:
+        raise ValueError(
+            f"grouped_mm: {' and '.join(bad)} must be multiples of {16 // size} in "
+            f"{x_ND.dtype} (16-byte rows)"
+        )
     return torch._grouped_mm(x_ND, w_eDF, offs=offsets_e)
 
 

@@ -147,14 +147,13 @@ def make_grouped_gemm(
     if recipe == "bf16":
         return BF16GroupedGemm()
     if recipe == "fp8_rowwise":
-        if device.type == "cpu":
-            return FP8RowwiseGroupedGemm(device, emulate=True)
-        reason = fp8_unsupported_reason(device)
+        emulate = device.type == "cpu"
+        reason = None if emulate else fp8_unsupported_reason(device)
         if reason is not None:
             raise ValueError(
                 f"precision.experts=fp8_rowwise is unavailable: {reason}; use 'bf16' or 'mxfp8' (emulation)"
             )
-        return FP8RowwiseGroupedGemm(device, use_fast_accum=use_fast_accum)
+        return FP8RowwiseGroupedGemm(device, emulate=emulate, use_fast_accum=use_fast_accum)
     if recipe == "mxfp8":
         return MXFP8EmulatedGroupedGemm()
     raise ValueError(

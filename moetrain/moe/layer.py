@@ -98,17 +98,12 @@ class MoELayer(nn.Module):
         # lb_scope "global_batch": sums route counts over the data-parallel ranks (installed by
         # moetrain.parallel; None in one process, where the micro-batch is the global batch)
         self.count_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
-        E = config.num_experts
-        # Statistics since the last read (log cadence) and since the last optimizer step.
-        self.register_buffer(
-            "stat_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False
-        )
-        self.register_buffer(
-            "stat_losses", torch.zeros(4), persistent=False
-        )  # lb, z, entropy, count
-        self.register_buffer(
-            "step_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False
-        )
+        # Statistics since the last read (log cadence; losses: lb, z, entropy, count) and since
+        # the last optimizer step.
+        counts_E = torch.zeros(config.num_experts, dtype=torch.int64)
+        self.register_buffer("stat_tokens_per_expert_E", counts_E, persistent=False)
+        self.register_buffer("stat_losses", torch.zeros(4), persistent=False)
+        self.register_buffer("step_tokens_per_expert_E", counts_E.clone(), persistent=False)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape

@@ -41,8 +41,7 @@ def fp8_unsupported_reason(device: torch.device) -> str | None:
 
 
 def triton_quantizes(x: torch.Tensor) -> bool:
-    """Whether the Triton quantizers take x: eager on a CUDA GPU with Triton installed. Compiled
-    code and the CPU run the torch twins (same bits)."""
+    """Whether the Triton quantizers take x: eager on a CUDA GPU with Triton installed."""
     if not x.is_cuda or torch.compiler.is_compiling():
         return False
     from moetrain.kernels import quant_triton
@@ -51,8 +50,7 @@ def triton_quantizes(x: torch.Tensor) -> bool:
 
 
 def quantize_rows(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quant.quantize_fp8_rowwise`: plain torch ops when compiling or off the GPU, the Triton
-    kernel (same bits) eager on a CUDA GPU. Returns (q e4m3fn contiguous, scale fp32)."""
+    """`quant.quantize_fp8_rowwise` (or its Triton twin): (q e4m3fn contiguous, scale fp32)."""
     if triton_quantizes(x):
         from moetrain.kernels import quant_triton
 
@@ -106,9 +104,6 @@ def scaled_mm(
 
 
 class _FP8Linear(torch.autograd.Function):
-    """x @ cat(weights)^T with the forward and input-gradient products in FP8, the weight
-    gradient in x's precision; saves x and the weights themselves."""
-
     @staticmethod
     def forward(ctx, x, emulate, fast_accum, *weights):  # type: ignore[override]
         w_NK = weights[0] if len(weights) == 1 else torch.cat(weights)
@@ -121,27 +116,25 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
         x, *weights = ctx.saved_tensors
-        emulate = ctx.emulate
         w_NK = weights[0] if len(weights) == 1 else torch.cat(weights)
         x_MK = x.reshape(-1, x.shape[-1])
         g_MN = grad_y.reshape(-1, grad_y.shape[-1])
         # Both gradients, always: dynamo has been seen to read `ctx.needs_input_grad` as False
         # for inputs that need a gradient (pytorch/pytorch#160901), silently dropping it.
         g_q, g_scale = quantize_rows(g_MN)
-        grad_x = scaled_mm(g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, emulate, ctx.fast_accum)
+        grad_x = scaled_mm(
+            g_q, g_scale, *quantize_rows(w_NK.T), x.dtype, ctx.emulate, ctx.fast_accum
+        )
         grad_w = (g_MN.T.to(x.dtype) @ x_MK).to(w_NK.dtype)
-        grads_w = grad_w.split([w.shape[0] for w in weights])
-        grad_x = grad_x.view(x.shape)
-        return grad_x, None, None, *grads_w
+        return grad_x.view(x.shape), None, None, *grad_w.split([w.shape[0] for w in weights])
 
 
 def fp8_linear(
     x: torch.Tensor, weights: list[torch.Tensor], *, emulate: bool, fast_accum: bool = True
 ) -> torch.Tensor:
-    """x @ cat(weights)^T (nn.Linear weights stacked along their output dim) in FP8 row-scaled
-    precision, forward and input gradient (the weight gradient in x's precision), with the
-    kernel's fast accumulation unless `fast_accum=False`. x: (..., K); every weight (N_i, K); K
-    and every N_i multiples of 16 (checked by `check_fp8_widths` at start-up)."""
+    """x @ cat(weights)^T (nn.Linear weights stacked along their output dim) as described above,
+    saving x and the weights themselves. x: (..., K); every weight (N_i, K); K and every N_i
+    multiples of 16 (checked by `check_fp8_widths` at start-up)."""
     return _FP8Linear.apply(x, emulate, fast_accum, *weights)
 
 

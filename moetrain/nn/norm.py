@@ -61,6 +61,3 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
