@@ -31,7 +31,7 @@ def test_mxfp8_cuda_compiled_matches_eager():
     x = torch.randn(ROWS, D, generator=gen).to("cuda", torch.bfloat16)
     w = (torch.randn(len(COUNTS), D, F, generator=gen) / D**0.5).to("cuda", torch.bfloat16)
     g = torch.randn(sum(COUNTS), F, generator=gen).cuda()
-    gemm = MXFP8EmulatedGroupedGemm("cuda")
+    gemm = MXFP8EmulatedGroupedGemm()
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b, o: gemm(a, b, o), fullgraph=True)
     names = ("output", "input gradient", "weight gradient")
