@@ -73,12 +73,19 @@ def check_grouped_inputs(
         )
 
 
+@torch.library.custom_op(
+    "moetrain::grouped_mm_weight_grad", mutates_args=(), tags=(torch.Tag.needs_exact_strides,)
+)
 def grouped_mm_weight_grad(
     x_ND: torch.Tensor, g_NF: torch.Tensor, offs_e: torch.Tensor
 ) -> torch.Tensor:
     """(e, D, F): each group's sum over its rows of x^T g, the weight gradient of `grouped_mm`.
-    x.T is column-major, the layout whose jagged dim the CUDA kernel takes without alignment or
-    non-empty requirements; float64 takes a loop over the groups."""
+    x.T of a row-major x is column-major, the layout whose jagged dim the CUDA kernel takes
+    without alignment or non-empty requirements (row-major, every group but the last must be a
+    multiple of 16 bytes, else a device-side assert). An opaque op with exact strides, so that
+    a compiled graph cannot hand it an x that Inductor laid out column-major; float64 takes a
+    loop over the groups."""
+    x_ND, g_NF = x_ND.contiguous(), g_NF.contiguous()
     if x_ND.dtype in _GROUPED_MM_DTYPES:
         return torch._grouped_mm(x_ND.T, g_NF, offs=offs_e)
     out_eDF = x_ND.new_zeros(offs_e.numel(), x_ND.shape[1], g_NF.shape[1])
@@ -87,6 +94,11 @@ def grouped_mm_weight_grad(
         out_eDF[expert] = x_ND[start:end].T @ g_NF[start:end]
         start = end
     return out_eDF
+
+
+@grouped_mm_weight_grad.register_fake
+def _(x_ND, g_NF, offs_e):
+    return x_ND.new_empty((offs_e.shape[0], x_ND.shape[1], g_NF.shape[1]))
 
 
 class GroupedExperts(nn.Module):
