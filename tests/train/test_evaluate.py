@@ -104,8 +104,10 @@ def _score_at_step_0(rank, world, run_dir, cache, overrides):
 def test_dp2_ep2_evaluation_equals_one_process(tmp_path):
     """Two ranks (ep=2, the all-to-all dispatcher) deal the 13 windows, the eval set's windows
     and the task's pairs between them, padded to equal micro-batches: the record equals one
-    process's, which scores them all, bit for bit (the micro-batches have the same shapes, so
-    a row's forward does not change on the CPU)."""
+    process's, which scores them all. Not bit for bit: at ep=2 each rank's expert products run
+    on half the experts, whose other shapes may accumulate in another order (a relative ~1e-9
+    seen on 2-core CPUs); every row still has exactly one contributor, so a row scored twice or
+    dropped shows as a difference of whole windows, far above the 1e-6 tolerance."""
     cache = str(tmp_path / "cache")
     web = two_source_mix(tmp_path).split("path: ")[1].split(",")[0]
     task = tmp_path / "words.jsonl"
@@ -121,7 +123,19 @@ def test_dp2_ep2_evaluation_equals_one_process(tmp_path):
     two = run_distributed(_score_at_step_0, 2, str(tmp_path / "two"), cache, overrides)
     one = _score_at_step_0(0, 1, str(tmp_path / "one"), cache, overrides)
     assert set(one) == {"kind", "step", "val_loss", "eval_sets", "tasks"}
-    assert two == [one, one]  # each row's NLL has one contributor: the sums are exact
+    for record in two:
+        assert _flat(record) == pytest.approx(_flat(one), rel=1e-6, abs=0)
+
+
+def _flat(record: dict, prefix: str = "") -> dict:
+    """A nested record's leaves under dotted keys (pytest.approx compares flat mappings)."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def test_task_files_and_the_built_in_task(tmp_path):
