@@ -265,6 +265,14 @@ REMOVED_FIELDS = {
     "than the bf16 one on the H200 in every measurement (benchmarks/RESULTS.md); delete the line",
 }
 
+# (field, choice) that was renamed -> why, naming the new choice: the old one is an error.
+RENAMED_CHOICES = {
+    ("moe.lb_scope", "global_batch"): "was renamed micro_batch_dp, for what it does: the route "
+    "counts are summed over the data-parallel ranks of each micro-batch, not over a step's "
+    'micro-batches (docs/design.md, "Which routes the balance loss counts"); write '
+    "moe.lb_scope: micro_batch_dp (in a run's config.yaml too: the same behaviour, so it resumes)",
+}
+
 
 def _build_section(section: str, values: Any) -> Any:
     if isinstance(values, dict):
@@ -274,4 +282,8 @@ def _build_section(section: str, values: Any) -> Any:
             value = values.pop(name, False) if removed_section == section else False
             if value is not False:
                 fail(key, value, why)
+        for (key, choice), why in RENAMED_CHOICES.items():
+            renamed_section, _, name = key.partition(".")
+            if renamed_section == section and values.get(name) == choice:
+                fail(key, choice, why)
     return build_dataclass(section, _SECTION_TYPES[section], values)

@@ -105,7 +105,10 @@ class MoEConfig:
     renormalize: bool = False  # renormalize the top-k weights to sum to one
     routing: Literal["learned", "random"] = "learned"  # random: uniform experts, for benchmarks
     lb_loss_weight: float = 0.01
-    lb_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    # the routes the balance loss's fractions count: this rank's micro-batch, or the micro-batch
+    # of every data-parallel rank (counts summed over dp; never over a step's micro-batches:
+    # docs/design.md, "Which routes the balance loss counts")
+    lb_scope: Literal["micro_batch", "micro_batch_dp"] = "micro_batch"
     z_loss_weight: float = 0.001
     bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with a per-expert bias
     num_shared_experts: int = 0  # always-on experts of hidden size expert_hidden each

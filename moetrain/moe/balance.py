@@ -26,8 +26,8 @@ def count_tokens_per_expert(expert_ids_TK: torch.Tensor, num_experts: int) -> to
 def load_balancing_loss(probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """E * sum_e f_e * P_e. `probs_TE` are normalized router probabilities (each row sums to 1);
     f_e = routes to e / all routes, from `tokens_per_expert_E`, which may be this micro-batch's
-    counts or counts summed over data-parallel ranks (the global-batch scope). The fractions
-    carry no gradient; the gradient reaches the router through P."""
+    counts or counts summed over data-parallel ranks (moe.lb_scope micro_batch_dp). The
+    fractions carry no gradient; the gradient reaches the router through P."""
     num_experts = probs_TE.shape[1]
     counts_E = tokens_per_expert_E.to(probs_TE.dtype)
     fraction_E = counts_E / counts_E.sum().clamp_min(1)

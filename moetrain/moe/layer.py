@@ -95,8 +95,8 @@ class MoELayer(nn.Module):
         )
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_grad_scale = 1.0
-        # lb_scope "global_batch": sums route counts over the data-parallel ranks (installed by
-        # moetrain.parallel; None in one process, where the micro-batch is the global batch)
+        # lb_scope "micro_batch_dp": sums route counts over the data-parallel ranks (installed by
+        # moetrain.parallel; None in one process, where this rank's micro-batch is all of it)
         self.count_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Statistics since the last read (log cadence; losses: lb, z, entropy, count) and since
         # the last optimizer step.
@@ -153,9 +153,9 @@ class MoELayer(nn.Module):
         if not is_recomputing():
             self._record(whole)
         lb_loss = whole.lb_loss
-        if self.config.lb_scope == "global_batch" and self.count_reducer is not None:
-            global_counts_E = self.count_reducer(whole.tokens_per_expert_E)
-            lb_loss = load_balancing_loss(whole.probs_TE, global_counts_E)
+        if self.config.lb_scope == "micro_batch_dp" and self.count_reducer is not None:
+            dp_counts_E = self.count_reducer(whole.tokens_per_expert_E)
+            lb_loss = load_balancing_loss(whole.probs_TE, dp_counts_E)
         aux_loss = self.config.lb_loss_weight * lb_loss + self.config.z_loss_weight * whole.z_loss
         if not aux_loss.requires_grad:
             return routing

@@ -45,7 +45,7 @@ def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Tr
             )
         split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
     apply_ep(model, dims, config)
-    apply_global_load_balance(model, config, dims)
+    apply_dp_load_balance(model, config, dims)
     apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
     if compile_blocks:
         apply_compile(model)
@@ -54,10 +54,11 @@ def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Tr
     return model
 
 
-def apply_global_load_balance(model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
-    """moe.lb_scope "global_batch": the balance loss's fractions f_e use route counts summed over
-    the stage's data-parallel ranks (one small all-reduce per layer and micro-batch)."""
-    if config.moe.lb_scope != "global_batch" or dims.dp_group is None:
+def apply_dp_load_balance(model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
+    """moe.lb_scope "micro_batch_dp": the balance loss's fractions f_e use the micro-batch's route
+    counts summed over the stage's data-parallel ranks (one small all-reduce per layer and
+    micro-batch)."""
+    if config.moe.lb_scope != "micro_batch_dp" or dims.dp_group is None:
         return
     traced = traceable(dims.dp_group, dims.device)
     reducer = functools.partial(all_reduce_counts, group=dims.dp_group, traced=traced)
