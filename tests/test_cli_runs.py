@@ -1,7 +1,7 @@
 """What a user meets after the first run, through the command line: progress in a log file, a
 run that outlasts its data, relative paths, a tokenizer named by another path, a validation
-share the token directory does not have, extending a run, and the router's learned bias on
-resume. One tiny run (2 steps on a small token directory that one step reads through) is shared
+share the token directory does not have, extending a run (each parameter kind's LR), and the
+router's learned bias on resume. One tiny run (2 steps on a small token directory that one step reads through) is shared
 by the module."""
 
 import contextlib
@@ -86,6 +86,26 @@ def test_extending_a_run_says_what_the_lr_does_and_refuses_a_jump(first_run, cap
         Trainer(type(tiny()).from_dict(config), copy, resume=True, progress=False)
     assert main([*resume, "--allow-lr-increase"]) == 0
     assert "train.steps: 2 -> 4; the LR goes from 0.0003 (step 2)" in capsys.readouterr().err
+
+
+def test_raising_the_experts_lr_on_resume_is_refused_like_the_lr(first_run, capsys, tmp_path):
+    """Extended at the LR it last trained with (the refusal's own advice), with the experts' LR
+    raised tenfold: refused, naming the experts' LR, unless --allow-lr-increase."""
+    _, run_dir, _, _ = first_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    resume = ["train", "--resume", "--quiet", "--run-dir", str(copy), "--set", "train.steps=4"]
+    resume += ["--set", "train.schedule=constant", "--set", "train.lr=0.0003"]
+    resume += ["--set", "train.warmup_steps=0", "--set", "train.expert_lr_mult=10"]
+    assert main(resume) == 2
+    err = capsys.readouterr().err
+    raised = "the expert LR (train.expert_lr_mult 1 -> 10) goes from 0.0003 (step 2) to 0.003"
+    assert f"--resume: {raised} at step 3" in err and "a jump above the LR" in err, err
+    assert "leave train.expert_lr_mult at 1" in err and "--allow-lr-increase" in err
+    assert main([*resume, "--allow-lr-increase"]) == 0
+    err = capsys.readouterr().err
+    assert "the LR goes from 0.0003 (step 2) to 0.0003 at step 3" in err, err
+    assert f"(constant); {raised} at step 3" in err, err
 
 
 def test_a_resume_cannot_drop_the_learned_router_bias(first_run, capsys):

@@ -24,8 +24,13 @@ def decays(name: str, ndim: int) -> bool:
     return ndim >= 2 and not name.endswith("norm.weight") and name != "embed.weight"
 
 
+def lr_mults(train: TrainConfig) -> dict[str, float]:
+    """Each kind's multiple of the scheduled LR: its groups train at lr_at(step) x this."""
+    return {"dense": 1.0, "expert": train.expert_lr_mult, "router": train.router_lr_mult}
+
+
 def build_param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, Any]]:
-    lr_mult = {"dense": 1.0, "expert": train.expert_lr_mult, "router": train.router_lr_mult}
+    lr_mult = lr_mults(train)
     groups: dict[tuple[str, bool], dict[str, Any]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:

@@ -2,7 +2,7 @@
 then cosine or linear decay to `min_lr_ratio * lr`, constant, or wsd (warmup-stable-decay: the
 decay takes the last `decay_fraction` of the steps, so more steps move it to the new end and a run
 resumed before its decay continues without a jump). `lr_change` says what a resume's changed
-schedule does to the LR and refuses an unasked-for jump.
+schedule or LR multipliers do to each parameter kind's LR and refuses an unasked-for jump.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from moetrain.config import TrainConfig
+from moetrain.optim.param_groups import lr_mults
 
 SCHEDULE_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction")
 
@@ -38,28 +39,66 @@ def _decay_start(train: TrainConfig) -> int:
 
 
 def lr_change(old: TrainConfig, new: TrainConfig, step: int, allow_increase: bool) -> str | None:
-    """What the LR does after `step` completed steps when a resume changes the schedule from
-    `old` to `new` (None when no schedule field changed or no step is left): its last value and
-    its values at the new schedule's next step and corners, by the step numbers logs use (the
-    LR of log step n is lr_at(n - 1)). A next LR above both the last one and what `old` would
-    have used (a re-warm: the loss rises) is a ValueError unless `allow_increase`."""
-    if step >= new.steps or all(getattr(old, f) == getattr(new, f) for f in SCHEDULE_FIELDS):
+    """What the LR does after `step` completed steps when a resume changes the schedule or a
+    parameter kind's multiplier (`param_groups.lr_mults`) from `old` to `new` (None when neither
+    changed or no step is left): per kind that changed (the schedule's LR, which the dense
+    parameters train at; an expert or router multiplier), its last value and its values at the
+    new schedule's next step and corners, by the step numbers logs use (the LR of log step n is
+    lr_at(n - 1)). A kind's next LR above both its last one and what `old` would have given it
+    (a re-warm: the loss rises) is a ValueError unless `allow_increase`."""
+    if step >= new.steps:
         return None
+    schedule_changed = any(getattr(old, f) != getattr(new, f) for f in SCHEDULE_FIELDS)
+    old_mults, new_mults = lr_mults(old), lr_mults(new)
+    kinds = [k for k in new_mults if old_mults[k] != new_mults[k]]
+    if schedule_changed:
+        kinds.insert(0, "dense")
+    if not kinds:
+        return None
+    notes, rising = [], []
+    for kind in kinds:
+        note, jumps = _group_change(kind, old, new, step, old_mults[kind], new_mults[kind])
+        notes.append(note)
+        if jumps:
+            rising.append((kind, note))
+    if rising and not allow_increase:
+        raise ValueError(
+            f"--resume: {'; '.join(note for _, note in rising)}: a jump above the LR the run "
+            "last trained with, which re-warms it (the loss rises). Pass --allow-lr-increase "
+            "(Trainer(..., allow_lr_increase=True)) if that is meant; "
+            + "; ".join(_how_to_keep(kind, old, step) for kind, _ in rising)
+        )
+    return "; ".join(notes)
+
+
+def _group_change(
+    kind: str, old: TrainConfig, new: TrainConfig, step: int, old_mult: float, new_mult: float
+) -> tuple[str, bool]:
+    """(what the LR of parameters of `kind` does, whether it jumps up) on resume at `step`."""
     corners = {new.warmup_steps - 1, new.steps - 1}
     if new.schedule == "wsd":
         corners.add(_decay_start(new) - 1)
-    points = [f"{lr_at(step, new):.3g} at step {step + 1}"]
-    points += [f"{lr_at(c, new):.3g} at step {c + 1}" for c in sorted(corners) if c > step]
-    last = lr_at(step - 1, old) if step > 0 else None
+    points = [f"{lr_at(step, new) * new_mult:.3g} at step {step + 1}"]
+    points += [
+        f"{lr_at(c, new) * new_mult:.3g} at step {c + 1}" for c in sorted(corners) if c > step
+    ]
+    last = lr_at(step - 1, old) * old_mult if step > 0 else None
     was = f"from {last:.3g} (step {step}) " if last is not None else ""
-    note = f"the LR goes {was}to {', then '.join(points)} ({new.schedule})"
-    rising = last is not None and lr_at(step, new) > max(last, lr_at(step, old)) * (1 + 1e-9)
-    if rising and not allow_increase:
-        raise ValueError(
-            f"--resume: {note}: a jump above the LR the run last trained with, which re-warms "
-            "it (the loss rises). Pass --allow-lr-increase (Trainer(..., allow_lr_increase="
-            f"True)) if that is meant; to go on at the current LR, --set train.schedule=constant "
-            f"--set train.lr={last:.3g} --set train.warmup_steps=0. A wsd schedule extends "
-            "without a jump while the run has not reached its decay"
-        )
-    return note
+    what = "the LR"  # the dense parameters' multiplier is 1: the schedule's own
+    if kind != "dense":
+        what = f"the {kind} LR (train.{kind}_lr_mult {old_mult:g} -> {new_mult:g})"
+    note = f"{what} goes {was}to {', then '.join(points)} ({new.schedule})"
+    would = lr_at(step, old) * old_mult
+    jumps = last is not None and lr_at(step, new) * new_mult > max(last, would) * (1 + 1e-9)
+    return note, jumps
+
+
+def _how_to_keep(kind: str, old: TrainConfig, step: int) -> str:
+    """How to resume without the jump of `kind`'s LR."""
+    if kind != "dense":
+        return f"to keep the {kind} LR, leave train.{kind}_lr_mult at {lr_mults(old)[kind]:g}"
+    return (
+        f"to go on at the current LR, --set train.schedule=constant --set train.lr="
+        f"{lr_at(step - 1, old):.3g} --set train.warmup_steps=0. A wsd schedule extends without "
+        "a jump while the run has not reached its decay"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -11,7 +12,7 @@ from moetrain import presets
 from moetrain.config import TrainConfig
 from moetrain.model.transformer import Transformer
 from moetrain.optim.param_groups import build_param_groups
-from moetrain.optim.schedule import lr_at
+from moetrain.optim.schedule import lr_at, lr_change
 
 
 def _train(**overrides) -> TrainConfig:
@@ -80,3 +81,33 @@ def test_param_groups_kinds_decay_and_multipliers():
     assert (router["kind"], router["lr_mult"]) == ("router", 2.0)
     dense = by_name["blocks.0.attn.q_proj.weight"]
     assert (dense["kind"], dense["lr_mult"]) == ("dense", 1.0)
+
+
+@pytest.mark.parametrize("kind", ["expert", "router"])
+def test_a_resume_that_raises_a_kinds_lr_multiplier_is_refused_like_the_lr(kind):
+    """A multiplier is compared as the schedule's LR is: a higher one is refused (naming the kind,
+    its LR before and after, and how to keep it) unless allowed; a lower one is reported."""
+    old, step = _train(), 50
+    last = lr_at(step - 1, old)
+    raised = dataclasses.replace(old, **{f"{kind}_lr_mult": 10.0})
+    note = (
+        f"the {kind} LR (train.{kind}_lr_mult 1 -> 10) goes from {last:.3g} (step {step}) to "
+        f"{10 * lr_at(step, old):.3g} at step {step + 1}, then {10 * lr_at(99, old):.3g} at step "
+        "100 (cosine)"
+    )
+    with pytest.raises(ValueError, match=f"^--resume: {re.escape(note)}: a jump above") as error:
+        lr_change(old, raised, step, allow_increase=False)
+    assert f"leave train.{kind}_lr_mult at 1" in str(error.value)
+    assert "--allow-lr-increase" in str(error.value)
+    assert lr_change(old, raised, step, allow_increase=True) == note
+    lowered = dataclasses.replace(old, **{f"{kind}_lr_mult": 0.5})
+    assert lr_change(old, lowered, step, allow_increase=False).startswith(f"the {kind} LR (")
+    assert lr_change(old, old, step, allow_increase=False) is None
+
+
+def test_a_schedule_and_a_multiplier_changed_together_report_both():
+    old, step = _train(), 50
+    new = dataclasses.replace(old, steps=200, expert_lr_mult=0.5)
+    note = lr_change(old, new, step, allow_increase=True)
+    assert note.startswith(f"the LR goes from {lr_at(step - 1, old):.3g} (step {step}) to ")
+    assert "; the expert LR (train.expert_lr_mult 1 -> 0.5) goes from" in note
