@@ -26,6 +26,12 @@ def auto_dispatcher(ep: int, cuda: bool, capacity_factor: float | None) -> str:
     return "no_sync" if cuda and capacity_factor is not None else "all_to_all"
 
 
+def keeps_every_route(capacity_factor: float, top_k: int, num_experts: int) -> bool:
+    """cf >= E / K: NoSync's expert and block capacities reach their worst cases at any T, so it
+    drops nothing, on a whole micro-batch or on any part of it."""
+    return capacity_factor * top_k >= num_experts
+
+
 def no_sync_capacities(
     num_tokens: int, top_k: int, num_ranks: int, num_experts: int, capacity_factor: float | None
 ) -> tuple[int, int]:

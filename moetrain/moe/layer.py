@@ -9,7 +9,9 @@ accumulate in device buffers, read only when the trainer logs.
 
 moe.overlap=two_chunk runs the layer in halves on two chunks of a micro-batch (`send`,
 `compute`, `receive`, scheduled by model.transformer.Block between the chunks' attention);
-losses, gradients and statistics are those of `forward` on the whole micro-batch.
+losses, gradients and statistics are those of `forward` on the whole micro-batch, with any
+dropless dispatcher (capacity mode only at a factor that drops nothing: each chunk would get half
+the capacity; moetrain.parallel refuses the rest).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ when the wait is left out.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -149,6 +150,37 @@ def test_two_chunk_with_the_loopback_transport_in_one_process():
 def test_two_chunk_start_up_errors_name_the_field(override, field):
     with pytest.raises(ValueError, match=f"^{field} .*moe.overlap is two_chunk"):
         get_preset("tiny").with_overrides(["moe.overlap=two_chunk", override])
+
+
+def _drops_and_loss(model: Transformer, batch: torch.Tensor) -> tuple[int, float]:
+    loss = model.loss(model(batch[:, :-1]), batch[:, 1:]).item()
+    dropped = sum(layer.dispatcher.read_stats()["dropped_routes"] for layer in model.moe_layers())
+    return int(dropped), loss
+
+
+def test_two_chunk_in_capacity_mode_with_drops_is_a_start_up_error():
+    """NoSync decides each chunk's drops on the chunk's own capacity, half the micro-batch's: at
+    a factor below E / K (4) the chunks drop other routes than the whole micro-batch (shown with
+    the dispatchers installed by hand), so the recipe refuses the combination; at E / K nothing
+    is dropped and it runs (the equivalence cases above)."""
+    config = overlap_config("two_chunk", 1, "no_sync")
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, capacity_factor=1.25))
+    dims = init_distributed(config, device_type="cpu")
+    with torch.device("meta"):
+        model = Transformer(config)
+    refused = r"^moe\.overlap \('two_chunk'\) cannot run on the no_sync dispatcher at moe\.cap"
+    with pytest.raises(ValueError, match=refused + r".* \(4: nothing is dropped\)"):
+        parallelize(model, config, dims)
+
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    results = []
+    for overlap in ("none", "two_chunk"):
+        model = build_model(overlap_config(overlap, 1, "local"))
+        for layer in model.moe_layers():
+            layer.dispatcher = NoSyncDispatcher(8, None, 0, 1.25, transport=LoopbackTransport())
+        results.append(_drops_and_loss(model, batch))
+    (drops, loss), (chunked_drops, chunked_loss) = results
+    assert 0 < drops < chunked_drops and loss != chunked_loss
 
 
 GPU_CASES = [
