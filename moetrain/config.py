@@ -33,6 +33,7 @@ from moetrain.config_types import build_dataclass, coerce, fail
 
 __all__ = [
     "SECTIONS",
+    "SECTION_TYPES",
     "DataConfig",
     "DataSource",
     "EvalSet",
@@ -198,8 +199,9 @@ class RunConfig:
         return RunConfig.from_dict(data)
 
 
-_SECTION_TYPES = {k: v for k, v in typing.get_type_hints(RunConfig).items() if k != "name"}
-SECTIONS = tuple(_SECTION_TYPES)
+# section name -> its dataclass, in config order
+SECTION_TYPES = {k: v for k, v in typing.get_type_hints(RunConfig).items() if k != "name"}
+SECTIONS = tuple(SECTION_TYPES)
 
 # fields of older configs that `_migrate` reads in today's terms
 MIGRATED = ("train.eval_batches",)
@@ -286,4 +288,4 @@ def _build_section(section: str, values: Any) -> Any:
             renamed_section, _, name = key.partition(".")
             if renamed_section == section and values.get(name) == choice:
                 fail(key, choice, why)
-    return build_dataclass(section, _SECTION_TYPES[section], values)
+    return build_dataclass(section, SECTION_TYPES[section], values)

@@ -2,14 +2,15 @@
 
 A checkpoint's state means something only under its architecture (every tensor's shape and
 meaning, the optimizer state's layout) and its data (the loader's position counts windows of
-these tokens at this seq_len, micro-batch size and seed; evaluations score fixed sequences). A
-resume that changes a `FROZEN` field is an error naming it; anything else may change and is
-printed (length, schedule, cadences, optimizer hyperparameters, the parallel layout, kernels and
-precision). Also allowed: `data.path` and the paths of `data.sources` (same number, order and
-weights), `data.val_fraction`, and a `data.tokenizer` file of the same content, since the
-recorded content hash catches other data; `moe.bias_update_rate` but not to or from 0 (the bias
-exists only while it is positive). `resume_run_config` builds the config a resume trains with.
-This module does not import torch.
+these tokens at this seq_len, micro-batch size and seed; evaluations score fixed sequences). Each
+field declares at its definition (`moetrain.config_sections`, through `moetrain.config_fields`)
+whether a resume may change it: a change of a `frozen` field is an error naming it, unless the
+field allows that change (`data.sources`: the same weights, the directories moved;
+`data.tokenizer`: a file of the same content, since the recorded content hash catches other
+data); a change of a `resumable` field is printed (length, schedule, cadences, optimizer
+hyperparameters, the parallel layout, kernels and precision, `data.path`), unless the field
+refuses it (`moe.bias_update_rate` to or from 0: the bias exists only while it is positive).
+`resume_run_config` builds the config a resume trains with. This module does not import torch.
 """
 
 from __future__ import annotations
@@ -17,34 +18,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moetrain.config import RunConfig
-from moetrain.data.tokenizer import same_files, tokenizer_file
-
-# section -> fields a resume must not change; "*" is every field of the section except those
-# listed in ALLOWED
-FROZEN: dict[str, tuple[str, ...]] = {
-    "model": ("*",),
-    "moe": (
-        "num_experts",
-        "top_k",
-        "expert_hidden",
-        "score_func",
-        "renormalize",
-        "routing",
-        "num_shared_experts",
-    ),
-    # eval_sequences and data (eval_sets included) fix the sequences every evaluation scores
-    "train": ("seed", "seq_len", "micro_batch_size", "optimizer", "eval_sequences"),
-    "data": ("*",),
-    "precision": ("param_dtype", "master_weights"),
-}
-ALLOWED = {"model.attention_backend", "data.path", "data.val_fraction"}
+from moetrain.config import SECTION_TYPES, RunConfig
+from moetrain.config_fields import rules_of
 
 
 def is_frozen(key: str) -> bool:
+    """Whether the field `key` ("section.field") is declared frozen: a resume may not change it
+    (except a change the field allows)."""
     section, _, name = key.partition(".")
-    fields = FROZEN.get(section, ())
-    return key not in ALLOWED and ("*" in fields or name in fields)
+    return section in SECTION_TYPES and rules_of(SECTION_TYPES[section], name).frozen
 
 
 def differences(old: RunConfig, new: RunConfig) -> list[tuple[str, Any, Any]]:
@@ -68,32 +50,19 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
     printable lines ("train.steps: 50 -> 100")."""
     changes = differences(saved, new)
     for key, old, value in changes:
-        if key == "data.sources" and _weights(old) == _weights(value):
-            continue  # moved directories: the content hash still catches other data
-        if key == "data.tokenizer" and _same_tokenizer(old, value):
-            continue  # the same tokenizer.json under another (e.g. now absolute) path
-        if key == "moe.bias_update_rate" and (old > 0) != (value > 0):
-            raise ValueError(
-                f"moe.bias_update_rate cannot change between 0 and > 0 on --resume ({old!r} in "
-                f"{source}, {value!r} now): the router's learned expert bias exists only while "
-                "the rate is > 0, so it would be dropped (or start again from zero); keep a "
-                "positive rate (a small one all but freezes the bias), or start a new run"
-            )
-        if is_frozen(key):
+        section, _, name = key.partition(".")
+        if not name:
+            continue  # the run's name
+        rules = rules_of(type(getattr(saved, section)), name)
+        if rules.check is not None:
+            rules.check(key, old, value, source)
+        if rules.frozen and not (rules.allow is not None and rules.allow(old, value)):
             raise ValueError(
                 f"{key} cannot change on --resume ({old!r} in {source}, {value!r} now): the "
                 "checkpoint's weights, optimizer state or data position depend on it; start a "
                 "new run (another --run-dir, or --init-from the checkpoint for its weights)"
             )
     return [f"{key}: {old!r} -> {value!r}" for key, old, value in changes]
-
-
-def _weights(sources: list[dict[str, Any]]) -> list[float]:
-    return [s["weight"] for s in sources]
-
-
-def _same_tokenizer(a: str, b: str) -> bool:
-    return "byte" not in (a, b) and same_files(tokenizer_file(a), tokenizer_file(b))
 
 
 def resume_run_config(

@@ -21,6 +21,9 @@ def test_frozen_and_free_fields(tmp_path):
     saved = tiny()
     lines = check_resumable(saved, saved.with_overrides(["train.steps=80"]), "run/config.yaml")
     assert lines == ["train.steps: 50 -> 80"]
+    # resumable fields of frozen sections: the attention kernel, moved data, its split's share
+    moved = ["model.attention_backend=math", "data.path=/elsewhere", "data.val_fraction=0.1"]
+    assert len(check_resumable(saved, saved.with_overrides(moved), "c.yaml")) == 3
     with pytest.raises(ValueError, match=r"moe\.top_k cannot change on --resume \(2 in x.yaml"):
         check_resumable(saved, saved.with_overrides(["moe.top_k=1"]), "x.yaml")
     saved.with_overrides(["train.lr=1e-3"]).save_yaml(tmp_path / "config.yaml")
@@ -37,6 +40,28 @@ def test_a_mix_may_move_but_not_reweigh():
     for other in ("[{path: a, weight: 0.5}, {path: b, weight: 0.5}]", "[{path: a, weight: 0.7}]"):
         with pytest.raises(ValueError, match=r"data\.sources cannot change on --resume"):
             check_resumable(saved, saved.with_overrides([f"data.sources={other}"]), "c.yaml")
+
+
+def test_a_tokenizer_may_be_named_by_another_path_only(tmp_path):
+    for name, text in (("a", "{}"), ("b", "{}"), ("c", '{"other": 1}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text(text)
+    saved = tiny().with_overrides([f"data.tokenizer={tmp_path / 'a'}"])
+    same = [f"data.tokenizer={tmp_path / 'b' / 'tokenizer.json'}"]
+    assert len(check_resumable(saved, saved.with_overrides(same), "c.yaml")) == 1
+    for other in (tmp_path / "c", tmp_path / "missing", "byte"):
+        with pytest.raises(ValueError, match=r"data\.tokenizer cannot change on --resume"):
+            check_resumable(saved, saved.with_overrides([f"data.tokenizer={other}"]), "c.yaml")
+
+
+def test_the_expert_bias_rate_may_change_but_not_to_or_from_zero():
+    saved = tiny().with_overrides(["moe.bias_update_rate=0.01"])
+    assert check_resumable(saved, saved.with_overrides(["moe.bias_update_rate=0.002"]), "c")
+    for before, after in ((0.01, 0.0), (0.0, 0.01)):
+        old = tiny().with_overrides([f"moe.bias_update_rate={before}"])
+        new = old.with_overrides([f"moe.bias_update_rate={after}"])
+        with pytest.raises(ValueError, match=r"bias_update_rate cannot change between 0 and > 0"):
+            check_resumable(old, new, "c.yaml")
 
 
 def test_resume_rebuilds_the_config_from_the_run(tmp_cache, tmp_path, capsys):

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from moetrain.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
+from moetrain.config_fields import unexportable
 
 ExpertLayout = Literal["per_expert", "fused"]
 
@@ -65,46 +66,14 @@ _OLMOE_DEFAULTS: dict[str, Any] = {
 
 # ---- architecture ------------------------------------------------------------------------------
 def check_expressible(config: RunConfig) -> None:
-    """Raise a ValueError naming every setting that `OlmoeForCausalLM` cannot express (OLMoE:
-    every layer MoE, softmax router, SwiGLU experts, no shared expert, qk-norm over d_model-wide
-    projections, RoPE; GQA and tied embeddings allowed). Training-only settings are not checked.
+    """Raise a ValueError naming every field whose value `OlmoeForCausalLM` cannot represent,
+    with the value and what is expressible. Each field declares that next to its definition (its
+    `olmoe=` rule in `moetrain.config_sections`; a field without one exports its default value
+    only): OLMoE has every layer MoE, a softmax router without expert bias, SwiGLU experts, no
+    shared expert, qk-norm over d_model-wide projections and RoPE; GQA and tied embeddings are
+    allowed. Fields no exported model depends on (`in_model=False`: training settings) pass.
     """
-    m, moe = config.model, config.moe
-    problems = []
-    if m.num_dense_layers:
-        problems.append(
-            f"model.num_dense_layers ({m.num_dense_layers}): every OLMoE layer is MoE; "
-            "only 0 is expressible"
-        )
-    if not m.qk_norm:
-        problems.append(
-            "model.qk_norm (False): OLMoE always applies qk-norm; only true is expressible"
-        )
-    if m.dim_per_head * m.num_heads != m.d_model:
-        problems.append(
-            f"model.head_dim ({m.head_dim}): OLMoE's q/k norms are sized by d_model, so "
-            f"head_dim * num_heads must equal model.d_model ({m.d_model}); leave head_dim unset"
-        )
-    if moe.score_func != "softmax":
-        problems.append(
-            f"moe.score_func ({moe.score_func!r}): OLMoE routes with a softmax; only 'softmax' is "
-            "expressible"
-        )
-    if moe.num_shared_experts:
-        problems.append(
-            f"moe.num_shared_experts ({moe.num_shared_experts}): OLMoE has no shared expert; "
-            "only 0 is expressible"
-        )
-    if moe.routing != "learned":
-        problems.append(
-            f"moe.routing ({moe.routing!r}): OLMoE routes by the learned gate; only 'learned' is "
-            "expressible"
-        )
-    if moe.bias_update_rate > 0:
-        problems.append(
-            f"moe.bias_update_rate ({moe.bias_update_rate}): OLMoE has no expert-selection bias "
-            "(auxiliary-loss-free balancing); only 0 is expressible"
-        )
+    problems = unexportable(config, "olmoe")
     if problems:
         raise ValueError("cannot express this model as OlmoeForCausalLM: " + "; ".join(problems))
 

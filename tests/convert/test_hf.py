@@ -4,9 +4,11 @@ re-export are exact; settings OLMoE cannot express are errors that name the fiel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from moetrain.checkpoint import manager  # noqa: E402
 from moetrain.cli import main  # noqa: E402
 from moetrain.config import RunConfig  # noqa: E402
+from moetrain.config_fields import Only, rules_of, unexportable  # noqa: E402
 from moetrain.convert import hf  # noqa: E402
 from moetrain.convert.cli import add_convert_parsers, parse_size  # noqa: E402
 from moetrain.convert.io import (  # noqa: E402
@@ -180,23 +183,80 @@ def test_bf16_checkpoint_keeps_its_dtype_unless_cast(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("override", "field"),
+    ("override", "problem"),
     [
-        ("model.num_dense_layers=1", "model.num_dense_layers"),
-        ("moe.num_shared_experts=1", "moe.num_shared_experts"),
-        ("moe.score_func=sigmoid", "moe.score_func"),
-        ("moe.routing=random", "moe.routing"),
-        ("moe.bias_update_rate=0.001", "moe.bias_update_rate"),
-        ("model.qk_norm=false", "model.qk_norm"),
-        ("model.head_dim=32", "model.head_dim"),
+        ("model.num_dense_layers=1", "model.num_dense_layers (1): only 0"),
+        ("moe.num_shared_experts=1", "moe.num_shared_experts (1): only 0"),
+        ("moe.score_func=sigmoid", "moe.score_func ('sigmoid'): only 'softmax'"),
+        ("moe.routing=random", "moe.routing ('random'): only 'learned'"),
+        ("moe.bias_update_rate=0.001", "moe.bias_update_rate (0.001): only 0.0"),
+        ("model.qk_norm=false", "model.qk_norm (False): only True"),
+        ("model.head_dim=32", "model.head_dim (32): head_dim x num_heads must equal model.d_model"),
     ],
 )
-def test_inexpressible_settings_name_the_field(override, field):
+def test_inexpressible_settings_name_the_field_and_value(override, problem):
     config = tiny().with_overrides([override])
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(problem)):
         hf.check_expressible(config)
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(problem)):
         hf.hf_config_dict(config)
+
+
+def _other_values(value):
+    """Candidates for a value besides `value`, smaller first (a None stands for an unset size)."""
+    if isinstance(value, bool):
+        return [not value]
+    if value is None:
+        return [1, 2, 16]
+    if isinstance(value, int):
+        return [v for v in (value // 2, 2 * value, value + 1) if v != value]
+    if isinstance(value, float):
+        return [v for v in (2 * value, value / 2, 1.0) if v != value]
+    return []
+
+
+def test_every_value_a_field_declares_expressible_exports_with_equal_logits():
+    """Each model and MoE field whose `olmoe` rule holds more than one value gets another value
+    (all in one tiny model); mapped into OlmoeForCausalLM, the model gives the same logits. A
+    declaration that claims more than the converter maps (a new routing option marked
+    olmoe=ANY) fails here."""
+    config, changed, holding_more = tiny(), [], set()
+    for section in ("model", "moe"):
+        section_type = type(getattr(config, section))
+        for f in dataclasses.fields(section_type):
+            exports = rules_of(section_type, f.name).exports
+            if exports is None:
+                continue  # no exported model depends on it
+            key = f"{section}.{f.name}"
+            if not isinstance(exports.get("olmoe"), Only):
+                holding_more.add(key)
+            for value in _other_values(getattr(getattr(config, section), f.name)):
+                try:
+                    candidate = config.with_overrides([f"{key}={json.dumps(value)}"])
+                except ValueError:
+                    continue
+                if not unexportable(candidate, "olmoe"):
+                    config = candidate
+                    changed.append(key)
+                    break
+    assert set(changed) == holding_more
+
+    model = random_model(config, seed=4)
+    hf_config = transformers.OlmoeConfig.from_dict(hf.hf_config_dict(config))
+    hf_config._attn_implementation = "eager"
+    hf_model = transformers.OlmoeForCausalLM(hf_config).eval()
+    fused = "model.layers.0.mlp.experts.gate_up_proj" in hf_model.state_dict()
+    mapped = hf.to_hf_state_dict(
+        model.state_dict(), config, expert_layout="fused" if fused else "per_expert"
+    )
+    missing, unexpected = hf_model.load_state_dict(mapped, strict=False)
+    assert missing == (["lm_head.weight"] if config.model.tie_embeddings else [])
+    assert not unexpected
+    vocab_size = config.model.vocab_size
+    tokens = torch.randint(0, vocab_size, (2, 23), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        difference = (model.logits(model(tokens)) - hf_model(tokens).logits).abs().max()
+    assert difference.item() < 1e-4, config
 
 
 def test_export_refuses_inexpressible_checkpoint_and_used_output_dir(tmp_path):
