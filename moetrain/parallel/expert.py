@@ -3,7 +3,8 @@
 `apply_ep` keeps experts [ep_rank * e, (ep_rank + 1) * e) of each MoE layer (e = num_experts /
 ep); `experts.expert_offset` names them globally for `init_weights` and checkpoints. Names,
 non-expert tensors and the router stay as they were. Build optimizers after parallelizing: the
-expert parameters are new objects.
+expert parameters are new objects. For checkpoints, `globalize_experts` views each rank's experts,
+resident or sharded again by FSDP2, as its part of the global tensor.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from moetrain.config import RunConfig
 from moetrain.moe.capacity import auto_dispatcher, keeps_every_route
@@ -114,27 +117,38 @@ def read_dispatch_stats(model: nn.Module, reset: bool = True) -> dict[str, torch
 
 
 def globalize_experts(state: dict[str, Any], dims: ParallelDims) -> dict[str, Any]:
-    """For checkpoints: this rank's expert slices as DTensors on the (edp, ep) mesh (Shard(0) over
-    ep, Replicate over edp), so DCP records global names and shapes and loads into any layout.
-    Nested dicts (optimizer state by parameter name) are walked. Identity when ep == 1."""
+    """For checkpoints: this rank's expert slices as DTensors of the global experts on the
+    (edp, ep) mesh, so DCP records global names and shapes and loads into any layout (see
+    `global_expert_view`). Nested dicts (optimizer state by parameter name) are walked; every other
+    value is the object it was. Identity when ep == 1."""
     if dims.ep == 1:
         return state
     mesh = dims.mesh["edp", "ep"]
-    placements = [Replicate(), Shard(0)]
 
     def wrap(name: str, value: Any, under_expert: bool) -> Any:
         expert = under_expert or is_expert_param(name)
         if isinstance(value, dict):
             return {k: wrap(k, v, expert) for k, v in value.items()}
         if expert and isinstance(value, torch.Tensor) and value.dim() == 3:
-            return DTensor.from_local(value, mesh, placements, run_check=False)
+            return global_expert_view(value, mesh, dims.ep)
         return value
 
     return {k: wrap(k, v, False) for k, v in state.items()}
 
 
-def localize(state: Any) -> Any:
-    """The inverse of `globalize_experts`: DTensors back to this rank's local tensors."""
-    if isinstance(state, dict):
-        return {k: localize(v) for k, v in state.items()}
-    return state.to_local() if isinstance(state, DTensor) else state
+def global_expert_view(value: torch.Tensor, mesh: DeviceMesh, ep: int) -> DTensor:
+    """This rank's experts `value` (apply_ep's slice, one tensor of experts x ...) as the global
+    tensor they belong to, on the (edp, ep) mesh: Shard(0) over ep; over edp, Replicate for
+    resident experts, or FSDP2's Shard(0) of the slice (`value` a DTensor on the edp mesh), taken
+    after the ep split, which DTensor writes `_StridedShard(0, split_factor=ep)` (its placement
+    for FSDP2 over tensor parallelism). The result views `value`'s memory: DCP loads in place."""
+    if isinstance(value, DTensor):
+        assert value.placements == (Shard(0),), f"FSDP2 experts placed {value.placements}"
+        over_edp, local = _StridedShard(0, split_factor=ep), value.to_local()
+    else:
+        over_edp, local = Replicate(), value
+    shape = torch.Size((value.shape[0] * ep, *value.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, [over_edp, Shard(0)], run_check=False, shape=shape, stride=stride
+    )

@@ -34,7 +34,7 @@ from moetrain.model.transformer import Transformer
 from moetrain.optim.adamw import AdamW
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.data import all_reduce_stats
-from moetrain.parallel.expert import globalize_experts, localize
+from moetrain.parallel.expert import globalize_experts
 from moetrain.parallel.mesh import ParallelDims, destroy_distributed, init_distributed
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline
@@ -398,11 +398,14 @@ class Trainer:
         return record["val_loss"]
 
     # ------------------------------------------------------------------ checkpoints
-    def tensor_state(self) -> dict[str, Any]:
-        """What DCP saves and loads in place: every tensor under its global name and shape
-        (expert slices become DTensors; the sharded optimizer's state describes its own shards as
-        chunks of the global tensors, optim/sharded_state.py)."""
-        optim = self.optimizer.state_dict()
+    def tensor_state(self, optim: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What DCP saves and loads in place: every tensor under its global name and shape.
+        `optim` is the optimizer's `state_dict()` (taken now when None). Expert slices become
+        DTensors of the global experts that view the tensors they wrap (parallel/expert.py
+        `global_expert_view`); FSDP2's DTensors of dense weights are global already; the sharded
+        optimizer's state describes its own shards as chunks of the global tensors
+        (optim/sharded_state.py)."""
+        optim = self.optimizer.state_dict() if optim is None else optim
         if isinstance(self.optimizer, AdamW):
             optim = globalize_experts(optim, self.dims)
         return {
@@ -446,11 +449,13 @@ class Trainer:
         config.yaml must agree with this run's on the architecture and the data
         (moetrain/config_resume.py); anything else may have changed."""
         check_resume(Path(path), self.config, self.allow_lr_increase, self.is_main)
-        state = self.tensor_state()
+        optim = self.optimizer.state_dict()
+        state = self.tensor_state(optim)
         trainer_state = manager.load(path, state, check_hashes=not verified)
         if trainer_state.get("data_fingerprint") != self.data_fingerprint:
             check_same_data(self.config.data, trainer_state.get("data_fingerprint"), path)
-        self.optimizer.load_state_dict(localize(state["optim"]))
+        # DCP loaded in place: `optim`, unwrapped, holds the checkpoint's values
+        self.optimizer.load_state_dict(optim)
         torch.set_rng_state(state["rng"]["cpu"])
         self.step = trainer_state["step"]
         self.skipped_total = trainer_state.get("skipped_total", 0)

@@ -4,8 +4,9 @@ Each case builds the model the trainer's way (meta -> parallelize -> to_empty ->
 checks that the experts it holds are the ep=1 model's global experts, then runs 3 AdamW steps and
 compares, at every step, each rank's loss and every synchronized gradient with a single-process
 reference (LocalDispatcher, gradient accumulation over the dp ranks' micro-batches, each with its
-own load-balancing loss), in float64. Several cases share one spawned process group to keep the
-suite fast.
+own load-balancing loss), in float64. At world 4, FSDP2 checkpoints of ep-sharded experts are
+also checked against the one-process model. Several cases share one spawned process group to
+keep the suite fast.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from conftest import run_distributed
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,7 +36,7 @@ from moetrain.optim.adamw import AdamW
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.parallel import GradientSync, init_distributed, is_expert_param, parallelize
 from moetrain.parallel.data import fsdp_mesh
-from moetrain.parallel.expert import read_dispatch_stats
+from moetrain.parallel.expert import globalize_experts, read_dispatch_stats
 from moetrain.parallel.mesh import ParallelDims
 from moetrain.train.build import build_optimizer
 
@@ -161,19 +163,46 @@ def _world2(rank, world_size):
         run_case(tiny_config(2, 2, dispatcher, payload="fp8"))
 
 
-def _world4(rank, world_size):
+def _world4(rank, world_size, path):
     torch.set_default_dtype(torch.float64)
     for ep in (2, 4):
         for dispatcher in ("all_to_all", "no_sync"):
             run_case(tiny_config(4, ep, dispatcher))
+    for num_experts in (8, 6):  # FSDP2 splits each rank's 4 experts 2 + 2, its 3 experts 2 + 1
+        config = tiny_config(4, 2, "all_to_all", data_parallel="fsdp")
+        check_fsdp_checkpoint(config.with_overrides([f"moe.num_experts={num_experts}"]), path)
+
+
+def check_fsdp_checkpoint(config: RunConfig, path: str) -> None:
+    """FSDP2 at dp 4, ep 2 shards each ep rank's experts over edp 2 as well: the checkpoint
+    `globalize_experts` describes holds the one-process model's tensors under their global names
+    and shapes, and loading it into a zeroed model of the same layout restores every shard."""
+    dims = init_distributed(config)
+    one_process = dataclasses.replace(config, parallel=ParallelConfig())
+    reference = build_model(one_process)
+    source = parallelize(build_model(one_process), config, dims)
+    target = parallelize(build_model(one_process), config, dims)
+    with torch.no_grad():
+        for param in target.parameters():
+            param.to_local().zero_()
+    path = f"{path}/experts{config.moe.num_experts}"
+    dcp.save(globalize_experts(source.state_dict(), dims), checkpoint_id=path)
+    if dims.rank == 0:
+        saved = {k: torch.zeros_like(v) for k, v in reference.state_dict().items()}
+        dcp.load(saved, checkpoint_id=path, no_dist=True)
+        for name, value in reference.state_dict().items():
+            assert torch.equal(saved[name], value), f"checkpoint of {name}"
+    dcp.load(globalize_experts(target.state_dict(), dims), checkpoint_id=path)
+    for (name, got), want in zip(target.named_parameters(), source.parameters(), strict=True):
+        assert torch.equal(got.to_local(), want.to_local()), f"loaded {name}"
 
 
 def test_ep_dp_training_matches_single_process_world2():
     run_distributed(_world2, 2)
 
 
-def test_ep_dp_training_matches_single_process_world4():
-    run_distributed(_world4, 4)
+def test_ep_dp_training_matches_single_process_and_fsdp_checkpoints_world4(tmp_path):
+    run_distributed(_world4, 4, str(tmp_path))
 
 
 class CollectiveLog(TorchDispatchMode):
