@@ -220,6 +220,31 @@ def test_zero1_on_one_gpu_matches_one_process_and_resumes_in_one_process(
         assert abs(after[step] - four[step]) <= 1e-3 * abs(four[step]), (step, after[step], four[step])  # fmt: skip
 
 
+def test_fsdp_ep2_on_one_gpu_resumes_and_loads_in_one_process(tmp_path, tmp_path_factory):
+    """FSDP2 at (dp 2, ep 2) with bf16 parameters, fp32 masters and the CUDA AdamW: 2 steps,
+    save, resume, 3 more track the uninterrupted run (bf16 kernels on a GPU are held to 1e-3,
+    as above), and one process resumes the step-2 checkpoint and tracks it too."""
+    preset, world = "tiny", 2
+    cache = str(tmp_path_factory.getbasetemp() / "cache")
+    saves = ["train.checkpoint_every=2", "train.keep_checkpoints=5"]
+    fsdp = ["parallel.data_parallel=fsdp", "parallel.ep=2", "moe.dispatcher=all_to_all", "parallel.backend=gloo"]  # fmt: skip
+    layout = [*_base(preset, world), *saves, *fsdp]
+    run_distributed(_run, world, preset, layout, str(tmp_path / "straight"), cache, False, False)
+    part = [*layout, "train.steps=2"]
+    run_distributed(_run, world, preset, part, str(tmp_path / "part"), cache, False, False)
+    run_distributed(_run, world, preset, layout, str(tmp_path / "part"), cache, True, False)
+    one = tmp_path / "one"
+    (one / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "part" / "checkpoints" / "step-2", one / "checkpoints" / "step-2")
+    run_distributed(_run, 1, preset, [*_base(preset, world), *saves], str(one), cache, True, False)
+    straight = _losses(tmp_path / "straight")
+    for run in ("part", "one"):
+        resumed = _losses(tmp_path / run)
+        assert sorted(resumed) == (list(range(1, STEPS + 1)) if run == "part" else [3, 4, 5])
+        for step, loss in resumed.items():
+            assert abs(loss - straight[step]) <= 1e-3 * abs(straight[step]), (run, step, loss)
+
+
 def _dispatch_under_sync_debug(rank, world, kind, payload):
     """One dispatch + combine, forward and backward, under sync-debug "error", with the transport
     calls (gloo stages CUDA tensors through the host) and the AllToAll dispatcher's one designed
