@@ -119,3 +119,27 @@ def test_a_resume_cannot_drop_the_learned_router_bias(first_run, capsys):
     trainer = Trainer(type(tiny()).from_dict(config), run_dir, resume=True, progress=False)
     assert all(m.router.expert_bias_E.abs().sum() > 0 for m in trainer.model.moe_layers())
     trainer.shutdown()
+
+
+def _losses(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}  # the last of a step
+
+
+def test_a_requeued_fine_tune_starts_from_init_from_then_resumes_its_own(first_run, monkeypatch):
+    """A requeued fine-tuning job repeats `--init-from CKPT --resume`: its first start trains
+    from CKPT's weights (as the same run without --resume does, loss for loss), a later start
+    from its own newest checkpoint (resuming bitwise, not reloading CKPT)."""
+    work, run_dir, command, _ = first_run
+    monkeypatch.chdir(work)
+    steps = ["--quiet", "--set", "train.checkpoint_every=1"]
+
+    def train(run_dir: str, *extra: str) -> dict[int, float]:
+        assert main([*(run_dir if c == "run" else c for c in command), *steps, *extra]) == 0
+        return _losses(work / run_dir)
+
+    reference = train("fresh", "--init-from", "run")
+    assert _losses(run_dir)[1] != reference[1]  # random weights: CKPT's run's first loss
+    assert train("requeued", "--init-from", "run", "--resume") == reference
+    shutil.rmtree(work / "requeued" / "checkpoints" / "step-2")  # killed after saving step 1
+    assert train("requeued", "--init-from", "run", "--resume") == reference  # step 2 again

@@ -165,8 +165,13 @@ class Trainer:
                     "(another --run-dir, --init-from CHECKPOINT)"
                 )
             elif progress and self.is_main:  # a first start under a requeue-safe --resume
-                print(f"no complete checkpoint under {self.checkpoint_root}: starting at step 0")
-        elif init_from is not None:
+                start = f" from the weights of {init_from}" if init_from is not None else ""
+                print(
+                    f"no complete checkpoint under {self.checkpoint_root}: starting at step 0{start}"
+                )
+        # a first start (a requeued job repeats --resume --init-from): the given weights; once
+        # the run has a checkpoint, that checkpoint, not init_from
+        if init_from is not None and self.resumed_from is None:
             self.load_weights(init_from)
         if self.is_main:  # after loading: a config the checkpoint rejects does not replace it
             self.run_dir.mkdir(parents=True, exist_ok=True)
