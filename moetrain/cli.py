@@ -92,10 +92,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_dry_run(config, args)
     if args.resume:  # the run's own config.yaml, with the --set changes it allows
         from moetrain.config_resume import resume_run_config
+        from moetrain.data import resolve_data_paths
 
         args.run_dir = args.run_dir or str(Path("runs") / config.name)
         given = " and ".join(filter(None, [args.preset and f"--preset {args.preset}", args.config]))
-        config = resume_run_config(Path(args.run_dir), config, args.set or [], given)
+        run_dir, overrides = Path(args.run_dir), args.set or []
+        config = resume_run_config(run_dir, config, overrides, given, resolve_data_paths)
     from moetrain.train.fits import check_fits
 
     check_fits(config, args.device, force=args.force)

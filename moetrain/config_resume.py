@@ -15,6 +15,7 @@ refuses it (`moe.bias_update_rate` to or from 0: the bias exists only while it i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,19 +67,26 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
 
 
 def resume_run_config(
-    run_dir: Path, requested: RunConfig, overrides: list[str], requested_from: str = ""
+    run_dir: Path,
+    requested: RunConfig,
+    overrides: list[str],
+    requested_from: str = "",
+    resolve_paths: Callable[[RunConfig], RunConfig] = lambda config: config,
 ) -> RunConfig:
     """The config `--resume` trains with: the run's own config.yaml in `run_dir` with the --set
     `overrides`, checked by `check_resumable`. A --preset or YAML given again (`requested_from`
     names it, `requested` is what it builds with the same overrides) must equal it, or it would
-    change fields silently. Without a config.yaml (a first start under a requeue-safe --resume)
-    the requested config."""
+    change fields silently; its paths compare by the files they name (`resolve_paths` makes
+    both sides' absolute: data/run_paths.py). Without a config.yaml (a first start under a
+    requeue-safe --resume) the requested config."""
     path = run_dir / "config.yaml"
     if not path.is_file():
         return requested
     saved = RunConfig.load_yaml(path)
     config = saved.with_overrides(overrides)
-    diverging = differences(config, requested) if requested_from else []
+    diverging = (
+        differences(resolve_paths(config), resolve_paths(requested)) if requested_from else []
+    )
     if diverging:
         shown = "; ".join(
             f"{key} ({value!r} there, {old!r} in the run)" for key, old, value in diverging[:4]

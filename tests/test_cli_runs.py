@@ -1,8 +1,9 @@
 """What a user meets after the first run, through the command line: progress in a log file, a
-run that outlasts its data, relative paths, a tokenizer named by another path, a validation
-share the token directory does not have, extending a run (each parameter kind's LR), and the
-router's learned bias on resume. One tiny run (2 steps on a small token directory that one step reads through) is shared
-by the module."""
+run that outlasts its data, relative paths (eval sets and task files too, read from another
+directory), a tokenizer named by another path, a validation share the token directory does not
+have, extending a run (each parameter kind's LR), the router's learned bias on resume, and a
+requeued fine-tune (--init-from with --resume). One tiny run (2 steps on a small token directory
+that one step reads through) is shared by the module."""
 
 import contextlib
 import io
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from moetrain.cli import main
+from moetrain.data import resolve_data_paths
 from moetrain.data.tokenizer_files import byte_tokenizer_json
 from moetrain.presets import tiny
 from moetrain.train.trainer import Trainer
@@ -143,3 +145,81 @@ def test_a_requeued_fine_tune_starts_from_init_from_then_resumes_its_own(first_r
     assert train("requeued", "--init-from", "run", "--resume") == reference
     shutil.rmtree(work / "requeued" / "checkpoints" / "step-2")  # killed after saving step 1
     assert train("requeued", "--init-from", "run", "--resume") == reference  # step 2 again
+
+
+def _text_dir(where, name: str, word: str) -> None:
+    """A token directory `where/name` of 24 lines of `word`, in the byte tokenizer of `a/`."""
+    (where / f"{name}.txt").write_text("".join(f"{word} {i:03d}\n" for i in range(24)))
+    prepare = ["prepare", str(where / f"{name}.txt"), "--out", str(where / name), "--quiet"]
+    assert main([*prepare, "--tokenizer", str(where / "a/tokenizer.json")]) == 0
+
+
+def _task(path, word: str) -> None:
+    items = [{"context": f"{word} {i}", "choices": [" 1", " ab"], "answer": 0} for i in range(3)]
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+
+
+def test_relative_eval_sets_and_task_files_name_the_same_files_from_anywhere(
+    first_run, tmp_path, capsys, monkeypatch
+):
+    """A run started with relative data.eval_sets and train.eval_tasks files records them
+    absolute: a resume with its YAML again resumes, and `eval` and `--resume` from another
+    directory that holds directories and files of the same names score the run's own."""
+    work, _, _, _ = first_run
+    monkeypatch.chdir(work)
+    _text_dir(work, "wiki", "wiki line")
+    _task(work / "mine.jsonl", "x =")
+    (work / "eval.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "preset": "tiny",
+                "data": {"path": "tok", "eval_sets": [{"name": "wiki", "path": "wiki"}]},
+                "train": {
+                    "steps": 4,
+                    "log_every": 1,
+                    "eval_every": 2,
+                    "checkpoint_every": 2,
+                    "schedule": "constant",
+                    "eval_tasks": ["mine.jsonl"],
+                },
+            }
+        )
+    )
+    run = work / "run-eval"
+    train = ["train", "--quiet", "--run-dir", str(run)]
+    assert main([*train, "eval.yaml"]) == 0
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert recorded["data"]["eval_sets"] == [{"name": "wiki", "path": str(work / "wiki")}]
+    assert recorded["train"]["eval_tasks"] == [str(work / "mine.jsonl")]
+    final = _records(run, "eval")[4]
+    shutil.rmtree(run / "checkpoints" / "step-4")  # a requeue repeats its command: it resumes
+    assert main([*train, "eval.yaml", "--resume"]) == 0
+    assert _records(run, "eval")[4] == final
+
+    elsewhere = tmp_path / "elsewhere"  # the same names, other contents
+    shutil.copytree(work / "a", elsewhere / "a")
+    _text_dir(elsewhere, "wiki", "other text")
+    _task(elsewhere / "mine.jsonl", "print(")
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main([*train, str(work / "eval.yaml"), "--resume"]) == 2  # its paths name these
+    assert "data.eval_sets" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert (scored["eval_sets"], scored["tasks"]) == (final["eval_sets"], final["tasks"])
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    assert main([*train, "--resume"]) == 0
+    assert _records(run, "eval")[4] == final
+
+
+def test_built_in_task_names_stay_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "continuation").mkdir()  # a file of that name does not hide the built-in task
+    config = tiny().with_overrides(["train.eval_tasks=[continuation, tasks/mine.jsonl]"])
+    tasks = resolve_data_paths(config).train.eval_tasks
+    assert tasks == ("continuation", str(tmp_path / "tasks/mine.jsonl"))
+
+
+def _records(run_dir, kind: str) -> dict[int, dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if r["kind"] == kind}  # the last of a step

@@ -7,9 +7,12 @@ import json
 import pytest
 import yaml
 
+from moetrain.checkpoint import manager
 from moetrain.cli import main
 from moetrain.config_resume import check_resumable, is_frozen, resume_run_config
+from moetrain.data import resolve_data_paths
 from moetrain.presets import tiny
+from moetrain.train.resume import check_resume
 
 
 def test_frozen_and_free_fields(tmp_path):
@@ -85,3 +88,21 @@ def test_resume_rebuilds_the_config_from_the_run(tmp_cache, tmp_path, capsys):
         assert main([*resume, "--set", f"{field}={value}"]) == 2
         assert f"{field} cannot change on --resume" in capsys.readouterr().err
     assert yaml.safe_load((run / "config.yaml").read_text()) == saved
+
+
+def test_a_relative_eval_set_of_an_older_run_resumes_from_its_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """Runs from before eval-set and task paths were stored absolute recorded them as given: a
+    resume from the directory they name (the Trainer's config has them absolute) changes
+    nothing, and reports no change."""
+    monkeypatch.chdir(tmp_path)
+    older = tiny().with_overrides(
+        ["data.eval_sets=[{name: wiki, path: data/wiki}]", "train.eval_tasks=[mine.jsonl]"]
+    )
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2"
+    checkpoint.mkdir(parents=True)
+    older.save_yaml(checkpoint / "config.yaml")
+    (checkpoint / manager.TRAINER_STATE).write_text(json.dumps({"step": 2}))
+    check_resume(checkpoint, resolve_data_paths(older), False, report=True)
+    assert capsys.readouterr().err == ""

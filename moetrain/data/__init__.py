@@ -20,7 +20,7 @@ _EXPORTS = {
     "check_same_data": "loader",
     "data_fingerprint": "loader",
     "open_data": "loader",
-    "resolve_data_paths": "loader",
+    "resolve_data_paths": "run_paths",
     "resolve_eos_id": "loader",
     "resolve_vocab_size": "loader",
     "MixedLoader": "mix",

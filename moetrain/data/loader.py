@@ -376,17 +376,3 @@ def _same_tokenizer(spec: str, data_dir: Path, recorded: str | None) -> bool:
         return False
     copy = data_dir / "tokenizer.json"
     return same_files(tokenizer_file(spec), copy if copy.is_file() else tokenizer_file(recorded))
-
-
-def resolve_data_paths(config: RunConfig) -> RunConfig:
-    """`config` with data.path, data.sources' paths and a data.tokenizer file made absolute, so
-    the run's config.yaml and checkpoints find the data from any working directory."""
-    d = config.data
-    absolute = lambda p: str(Path(p).expanduser().absolute())  # noqa: E731
-    data = dataclasses.replace(
-        d,
-        path=absolute(d.path) if d.path is not None else None,
-        sources=tuple(dataclasses.replace(s, path=absolute(s.path)) for s in d.sources),
-        tokenizer=absolute(d.tokenizer) if d.tokenizer != "byte" else d.tokenizer,
-    )
-    return dataclasses.replace(config, data=data)

@@ -12,6 +12,7 @@ from pathlib import Path
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
 from moetrain.config_resume import check_resumable
+from moetrain.data import resolve_data_paths
 from moetrain.optim.schedule import lr_change
 
 
@@ -19,7 +20,7 @@ def check_resume(
     checkpoint: Path, config: RunConfig, allow_lr_increase: bool, report: bool
 ) -> None:
     saved = checkpoint / "config.yaml"
-    old = RunConfig.load_yaml(saved)
+    old = resolve_data_paths(RunConfig.load_yaml(saved))  # a relative path of an older run
     changes = check_resumable(old, config, str(saved))
     step = json.loads((checkpoint / manager.TRAINER_STATE).read_text())["step"]
     lr_note = lr_change(old.train, config.train, step, allow_lr_increase)
