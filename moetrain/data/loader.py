@@ -35,6 +35,12 @@ from moetrain.data.tokens import fingerprint, load_dir_tokenizer, load_split, re
 EMBEDDED_VAL_FRACTION = 0.05  # data.val_fraction None: the embedded corpus's held-out share
 
 
+def embedded_val_fraction(cfg: DataConfig) -> float:
+    """The share of the embedded corpus's documents held out for val (`split_documents`):
+    data.val_fraction, else EMBEDDED_VAL_FRACTION."""
+    return cfg.val_fraction or EMBEDDED_VAL_FRACTION
+
+
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
@@ -222,7 +228,7 @@ def open_data(
         opened = [_open_dir(cfg, Path(s.path), vocab_size) for s in cfg.sources]
         return [o[0] for o in opened], [o[1] for o in opened], opened[0][2]
     if cfg.path is None:
-        data_dir = embedded_corpus(cfg.tokenizer, cfg.val_fraction or EMBEDDED_VAL_FRACTION)
+        data_dir = embedded_corpus(cfg.tokenizer, embedded_val_fraction(cfg))
         built = dataclasses.replace(cfg, tokenizer="byte", val_fraction=None)  # built with both
         return _open_dir(built, data_dir, vocab_size)
     return _open_dir(cfg, Path(cfg.path), vocab_size)
@@ -342,7 +348,7 @@ def training_dirs(cfg: DataConfig) -> list[Path]:
         return [Path(s.path) for s in cfg.sources]
     if cfg.path is not None:
         return [Path(cfg.path)]
-    return [embedded_corpus(cfg.tokenizer, cfg.val_fraction or EMBEDDED_VAL_FRACTION)]
+    return [embedded_corpus(cfg.tokenizer, embedded_val_fraction(cfg))]
 
 
 def check_same_data(cfg: DataConfig, recorded: str | None, checkpoint: str | Path) -> None:

@@ -6,8 +6,9 @@ train/evaluate.py. A user's task is a JSON-lines file named by its stem, one ite
 {"context": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0}. Context
 and choice are tokenized separately and joined after the tokenizer's EOS (so a choice carries
 its leading space). A row over seq_len loses context from the left; a choice over seq_len
-tokens is an error. Built in: `continuation` (offline, from the embedded corpus's held-out
-documents): the true continuation of a passage among 4 spans, 200 items.
+tokens is an error. Built in: `continuation` (offline, from the embedded corpus's documents
+held out at the run's data.val_fraction, the loader's val split, so never a document the run
+trains on): the true continuation of a passage among 4 spans, 200 items.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from moetrain.data.corpus import embedded_documents
 from moetrain.data.heldout import IGNORE
+from moetrain.data.loader import EMBEDDED_VAL_FRACTION
 from moetrain.data.tokens import split_documents
 
 
@@ -33,9 +35,13 @@ class Task:
     answers: tuple[int, ...]
 
 
-def load_tasks(specs: tuple[str, ...] | list[str]) -> list[Task]:
-    """Each spec is a built-in task's name or a JSON-lines file; names must differ."""
-    tasks = [BUILTIN[s]() if s in BUILTIN else read_task(s) for s in specs]
+def load_tasks(
+    specs: tuple[str, ...] | list[str], val_fraction: float = EMBEDDED_VAL_FRACTION
+) -> list[Task]:
+    """Each spec is a built-in task's name or a JSON-lines file; names must differ. A built-in
+    task takes the embedded corpus's documents held out at `val_fraction` (the run's
+    `loader.embedded_val_fraction`)."""
+    tasks = [BUILTIN[s](val_fraction) if s in BUILTIN else read_task(s) for s in specs]
     names = [t.name for t in tasks]
     for name in names:
         if names.count(name) > 1:
@@ -82,10 +88,16 @@ def _item(item: Any) -> tuple[str, tuple[str, ...], int]:
 
 
 @functools.cache  # a Task is immutable; reading the corpus takes seconds
-def continuation_task(num_items: int = 200, num_choices: int = 4, seed: int = 0) -> Task:
-    """The built-in task: 256 characters of a held-out document, then its next 16 characters
-    or 16 characters of another held-out document, all cut at a space."""
-    docs = [d for label, d in split_documents(embedded_documents(), 0.05) if label == "val"]
+def continuation_task(
+    val_fraction: float = EMBEDDED_VAL_FRACTION,
+    num_items: int = 200,
+    num_choices: int = 4,
+    seed: int = 0,
+) -> Task:
+    """The built-in task: 256 characters of a document held out at `val_fraction`, then its
+    next 16 characters or 16 characters of another held-out document, all cut at a space."""
+    split = split_documents(embedded_documents(), val_fraction)
+    docs = [d for label, d in split if label == "val"]
     docs = [d for d in docs if len(d) >= 2048]
     if len(docs) < num_choices:
         raise ValueError("the embedded corpus holds too few documents for the built-in task")

@@ -26,6 +26,7 @@ from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
 from moetrain.data import check_same_data, open_data, source_labels
 from moetrain.data.heldout import IGNORE, WindowRows, open_eval_set
+from moetrain.data.loader import embedded_val_fraction
 from moetrain.data.tasks import TaskRows, load_tasks
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.data import all_reduce_stats
@@ -142,7 +143,8 @@ class Evaluator:
                 f"train.eval_tasks ({', '.join(t.eval_tasks)}) needs a tokenizer, and the run's "
                 "data names none (random tokens, or a pre-tokenized corpus prepared without --tokenizer)"
             )
-        self.tasks = [TaskRows(task, tokenizer, t.seq_len) for task in load_tasks(t.eval_tasks)]
+        tasks = load_tasks(t.eval_tasks, embedded_val_fraction(config.data))
+        self.tasks = [TaskRows(task, tokenizer, t.seq_len) for task in tasks]
 
     @property
     def num_sequences(self) -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import run_distributed, two_source_mix
 
-from moetrain.data import ByteTokenizer, prepare
+from moetrain.data import ByteTokenizer, open_data, prepare
 from moetrain.data.heldout import WindowRows, heldout_windows, open_eval_set
 from moetrain.data.tasks import Task, TaskRows, continuation_task, read_task
 from moetrain.model.transformer import build_model
@@ -153,6 +153,25 @@ def test_task_files_and_the_built_in_task(tmp_path):
     assert 0.15 < np.mean(np.array(task.answers) == 0) < 0.35  # the right choice moves around
     with pytest.raises(ValueError, match="cannot be scored in rows of train.seq_len"):
         TaskRows(task, ByteTokenizer(), 8)  # 16-character choices
+
+
+@pytest.mark.parametrize("val_fraction", [0.03, 0.05, 0.08])
+def test_the_built_in_task_comes_from_the_runs_held_out_documents(val_fraction, module_cache):
+    """Every passage of the run's `continuation` items (context and right choice) lies in a
+    document of the val split the run's loader holds out, none of which it trains on."""
+    model, config = _model(f"data.val_fraction={val_fraction}", "train.eval_tasks=[continuation]")
+    train, val, tokenizer = open_data(config.data, config.model.vocab_size)
+    task = Evaluator(config, model, tokenizer, val).tasks[0].task
+
+    def documents(tokens: np.ndarray) -> list[bytes]:  # byte ids; EOS ends each document
+        ends = np.flatnonzero(tokens == tokenizer.eos_id)
+        return [d.astype(np.uint8).tobytes() for d in np.split(tokens, ends + 1)[:-1]]
+
+    held_out, trained = documents(np.asarray(val)), set(documents(np.asarray(train)))
+    for context, choices, answer in zip(task.contexts, task.choices, task.answers, strict=True):
+        passage = (context + choices[answer]).encode()
+        sources = [doc for doc in held_out if passage in doc]
+        assert sources and not any(doc in trained for doc in sources), passage
 
 
 def test_eval_sets_are_checked(tmp_path, tmp_cache):
