@@ -51,7 +51,9 @@ def add_convert_parsers(subparsers: argparse._SubParsersAction) -> None:
         "--tokenizer",
         default=None,
         metavar="PATH",
-        help="tokenizer.json to ship instead of the run's data.tokenizer",
+        help="tokenizer.json to ship instead of the run's own; it must fit the model: the "
+        "model's vocab_size is its size rounded up to a multiple of 64, or it is the run's "
+        "tokenizer",
     )
     export.set_defaults(func=run_export)
 

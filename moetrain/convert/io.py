@@ -34,7 +34,8 @@ from moetrain.convert.hf import (
     run_config_from_hf,
     to_hf_state_dict,
 )
-from moetrain.data.tokenizer import HFTokenizer, load_tokenizer
+from moetrain.data.loader import padded_vocab_size
+from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.transformer import Transformer
 
@@ -188,22 +189,60 @@ def _export_tokenizer(
     checkpoint: Path, override: str | None, config: RunConfig
 ) -> tuple[dict[str, bytes], int]:
     """The tokenizer files to ship and the EOS id: those the checkpoint carries, or `override`
-    (a tokenizer.json or its directory), so the export encodes exactly as the run did."""
+    (a tokenizer.json or its directory) when it fits the model (`check_tokenizer_fits`), so the
+    export encodes exactly as the run did."""
     from moetrain.inference import checkpoint_tokenizer
 
     try:
-        tok = load_tokenizer(override) if override else checkpoint_tokenizer(checkpoint, config)
+        run_tokenizer = checkpoint_tokenizer(checkpoint, config)
     except ValueError as exc:
-        raise ValueError(
-            f"cannot export the run's tokenizer ({exc}); pass the tokenizer.json to use "
-            "(--tokenizer PATH)"
-        ) from None
-    if tok.vocab_size > config.model.vocab_size:
+        if override is None:
+            raise ValueError(
+                f"cannot export the run's tokenizer ({exc}); pass the tokenizer.json to use "
+                "(--tokenizer PATH)"
+            ) from None
+        run_tokenizer = None  # an older checkpoint whose data is gone: judged by size alone
+    tok = load_tokenizer(override) if override else run_tokenizer
+    if override is None and tok.vocab_size > config.model.vocab_size:
         raise ValueError(
             f"tokenizer {tok.name} has {tok.vocab_size} ids, more than model.vocab_size "
             f"({config.model.vocab_size})"
         )
+    if override is not None:
+        check_tokenizer_fits(tok, run_tokenizer, config.model.vocab_size)
     return tokenizer_files(tok, config.train.seq_len), tok.eos_id
+
+
+def check_tokenizer_fits(
+    tokenizer: ByteTokenizer | HFTokenizer,
+    run_tokenizer: ByteTokenizer | HFTokenizer | None,
+    vocab_size: int,
+) -> None:
+    """A ValueError unless `tokenizer` fits a model of `vocab_size` ids: the vocabulary it
+    gives a run (`padded_vocab_size`, as model.vocab_size left unset resolves) is exactly
+    `vocab_size`, or it is the run's own tokenizer (a tokenizer.json of the same content) within
+    them."""
+    size = tokenizer.vocab_size
+    if padded_vocab_size(size) == vocab_size:
+        return
+    if run_tokenizer is None:
+        run = "which the checkpoint does not record"
+    elif _tokenizer_json(tokenizer) == _tokenizer_json(run_tokenizer) and size <= vocab_size:
+        return
+    else:
+        run = f"{run_tokenizer.name}, {run_tokenizer.vocab_size} ids"
+    raise ValueError(
+        f"--tokenizer {tokenizer.name} has {size} ids, a model.vocab_size of "
+        f"{padded_vocab_size(size)} (its size rounded up to a multiple of 64), but the model has "
+        f"{vocab_size}: a tokenizer fits when the model's vocab_size is its size so rounded, or "
+        f"when it is the tokenizer the run trained with ({run}) and has at most {vocab_size} "
+        "ids; leave --tokenizer out to ship the run's own"
+    )
+
+
+def _tokenizer_json(tokenizer: ByteTokenizer | HFTokenizer) -> Any:
+    """What a tokenizer's tokenizer.json says, however the file is formatted."""
+    return json.loads(tokenizer_files(tokenizer)["tokenizer.json"])
 
 
 # ---- import ------------------------------------------------------------------------------------

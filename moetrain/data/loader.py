@@ -288,9 +288,15 @@ def vocabulary(data_dir: str, meta: dict[str, Any]) -> tuple[Any, ...]:
     return tokenizer, meta["vocab_size"], meta["eos_id"]
 
 
+def padded_vocab_size(tokenizer_size: int) -> int:
+    """The model.vocab_size a tokenizer of `tokenizer_size` ids gives when it is left unset: the
+    size rounded up to a multiple of 64 (where the embedding and output GEMMs run fast)."""
+    return -(-tokenizer_size // 64) * 64
+
+
 def resolve_vocab_size(config: RunConfig) -> RunConfig:
-    """`config` with model.vocab_size set: kept when given, else the run's tokenizer's size
-    rounded up to a multiple of 64 (where the embedding and output GEMMs run fast)."""
+    """`config` with model.vocab_size set: kept when given, else the run's tokenizer's
+    `padded_vocab_size`."""
     if config.model.vocab_size is not None:
         return config
     if config.data.random_tokens:
@@ -301,7 +307,7 @@ def resolve_vocab_size(config: RunConfig) -> RunConfig:
         size = read_meta(config.data.path)["vocab_size"]
     else:
         size = load_tokenizer(config.data.tokenizer).vocab_size
-    vocab = -(-size // 64) * 64
+    vocab = padded_vocab_size(size)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
 
 

@@ -353,6 +353,54 @@ def test_tokenizer_files_travel_both_ways(tmp_path):
     assert (tmp_path / "imported" / "tokenizer" / "tokenizer_config.json").is_file()
 
 
+def _bpe(path, texts: list[str], vocab_size: int, byte_alphabet: bool = True):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_alphabet else []
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def test_export_refuses_a_tokenizer_of_another_vocabulary(tmp_path):
+    """--tokenizer T fits a model when the model's vocab_size is what T would give a run
+    (its size rounded up to a multiple of 64), or T is the run's own tokenizer within it."""
+    from moetrain.data.tokenizer import load_tokenizer
+    from moetrain.data.tokenizer_files import byte_tokenizer_json
+
+    texts = ["the quick brown fox jumps over the lazy dog"] * 20
+    small = _bpe(tmp_path / "small" / "tokenizer.json", texts, 40, byte_alphabet=False)
+    bpe = _bpe(tmp_path / "bpe" / "tokenizer.json", texts, 300)
+    byte = tmp_path / "byte" / "tokenizer.json"  # the byte tokenizer as a file: 257 ids
+    byte.parent.mkdir()
+    byte.write_text(json.dumps(byte_tokenizer_json()))
+    size, bpe_size = (load_tokenizer(str(t)).vocab_size for t in (small, bpe))
+    assert size <= 64 and 257 < bpe_size <= 320  # they give a run 64 and 320 ids
+    config = tiny()  # byte-level, model.vocab_size 320
+    run = save_checkpoint(tmp_path, config, build_model(config))
+    with pytest.raises(ValueError, match=rf"has {size} ids, a model.vocab_size of 64 .* has 320"):
+        export_checkpoint(run, tmp_path / "hf-small", tokenizer=str(small))
+    export_checkpoint(run, tmp_path / "hf-bpe", tokenizer=str(bpe))
+    export_checkpoint(run, tmp_path / "hf-byte", tokenizer=str(byte))  # rounds to 320 too
+
+    wide = tiny().with_overrides(["model.vocab_size=448"])  # set by hand: no tokenizer gives it
+    run = save_checkpoint(tmp_path / "wide", wide, build_model(wide))
+    export_checkpoint(run, tmp_path / "hf-wide", tokenizer=str(byte))  # the run's own
+    with pytest.raises(ValueError, match=rf"has {bpe_size} ids, a model.vocab_size of 320 .* 448"):
+        export_checkpoint(run, tmp_path / "hf-wide-bpe", tokenizer=str(bpe))
+
+
 def test_cli_export_and_import(tmp_path, tmp_cache, capsys):
     parser = argparse.ArgumentParser(prog="moetrain")
     add_convert_parsers(parser.add_subparsers(dest="command", required=True))
