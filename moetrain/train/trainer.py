@@ -235,7 +235,7 @@ class Trainer:
             s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)
         }
         train_iter = iter(self.train_loader)
-        last_val: float | None = None
+        last_val: tuple[int, float] | None = None  # (step, val loss) of the latest evaluation
         last_loss: float | None = None
         saved_at: Path | None = None
         try:
@@ -250,7 +250,7 @@ class Trainer:
                 if self.step % t.log_every == 0 or last_step or stop:
                     last_loss = self._log()
                 if t.eval_every and (self.step % t.eval_every == 0 or last_step):
-                    last_val = self._evaluate()
+                    last_val = (self.step, self._evaluate())
                 if (
                     last_step
                     or stop
@@ -271,7 +271,10 @@ class Trainer:
         return {
             "steps": self.step,
             "final_loss": last_loss,
-            "final_val_loss": last_val,
+            # None unless evaluated at the final step (a run stopped between evaluations)
+            "final_val_loss": last_val[1] if last_val and last_val[0] == self.step else None,
+            "last_val_loss": last_val and last_val[1],
+            "last_val_step": last_val and last_val[0],
             "checkpoint": str(saved_at) if saved_at else None,
             "stopped_early": self.step < t.steps,
             "skipped_steps": self.skipped_total,

@@ -261,6 +261,27 @@ def test_sigterm_saves_and_exits_zero(tmp_cache, tmp_path):
     assert summary["stopped_early"] and Path(summary["checkpoint"]).is_dir()
 
 
+def test_a_run_stopped_between_evaluations_reports_when_its_val_loss_was_measured(
+    tmp_cache, tmp_path, monkeypatch
+):
+    """Ctrl-C after step 3 of a run evaluated every 2 steps: the summary's final_val_loss is
+    None (nothing was evaluated at step 3), and the last val loss comes with its step."""
+
+    def ctrl_c_after_step_3(step: int, rank: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # the trainer's handler: finish, save, return
+
+    monkeypatch.setattr("moetrain.train.trainer.faults.after_step", ctrl_c_after_step_3)
+    run = tmp_path / "run"
+    summary = Trainer(_cfg("train.steps=10", "train.eval_every=2"), run, progress=False).train()
+    assert summary["steps"] == 3 and summary["stopped_early"]
+    assert summary["final_val_loss"] is None
+    evaluated = _records(run, "eval")
+    assert sorted(evaluated) == [2] and summary["last_val_step"] == 2
+    assert summary["last_val_loss"] == evaluated[2]["val_loss"]
+    assert summary["final_loss"] == _records(run, "train")[3]["loss"]  # logged at the stop
+
+
 def test_capacity_drops_and_buffer_use_are_logged(tmp_cache, tmp_path):
     """NoSync at ep=1 with capacity factor 1.0 drops the routes beyond capacity and says so."""
     Trainer(
