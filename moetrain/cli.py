@@ -84,12 +84,12 @@ def check_device(device: str | None) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.trainer import Trainer, TrainingStopped
 
-    check_device(args.device)
     config = load_config(args)
-    if args.dry_run:
+    if args.dry_run:  # builds nothing: --device may name a device this machine lacks
         from moetrain.dry_run import run_dry_run
 
         return run_dry_run(config, args)
+    check_device(args.device)
     if args.resume:  # the run's own config.yaml, with the --set changes it allows
         from moetrain.config_resume import resume_run_config
         from moetrain.data import resolve_data_paths
@@ -261,7 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="start over in a run directory that holds an earlier run (deletes its checkpoints "
         "and metrics); without it that is an error",
     )
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument(
+        "--device",
+        help="cpu, cuda, cuda:1 ... (default: cuda if available); with --dry-run the device "
+        "planned for, which this machine need not have",
+    )
     p.add_argument(
         "--force",
         action="store_true",

@@ -10,6 +10,7 @@ their bytes next to the planner's memory estimate; the two parameter totals must
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -38,11 +39,23 @@ from moetrain.plan import (
     validate_layout,
 )
 from moetrain.plan.cli import wide_console
+from moetrain.train.build import resolve_param_dtype
 
 
 def param_dtype(config: RunConfig) -> torch.dtype:
     """The dtype parameters have on the target GPUs (auto means bf16 there): the planner's."""
     return {2: torch.bfloat16, 4: torch.float32}[precision_bytes(config).param]
+
+
+def on_device(config: RunConfig, device_type: str) -> RunConfig:
+    """`config` with precision.param_dtype as the trainer resolves it on `device_type`
+    (`train.build.resolve_param_dtype`: auto is bf16 on CUDA, fp32 elsewhere), so that the dry
+    run and the memory check describe the parameters a run there has."""
+    dtype = resolve_param_dtype(config, torch.device(device_type))
+    precision = dataclasses.replace(
+        config.precision, param_dtype="bf16" if dtype == torch.bfloat16 else "fp32"
+    )
+    return dataclasses.replace(config, precision=precision)
 
 
 def layout_from_config(config: RunConfig, world_size: int) -> Layout:
@@ -175,13 +188,14 @@ def dry_run(
     )
 
 
-def print_dry_run(report: DryRunReport) -> None:
+def print_dry_run(report: DryRunReport, device_type: str = "cuda") -> None:
     from rich.table import Table
 
     lay, layers = report.layout, report.layers
     console = wide_console()
     console.print(
-        f"[bold]dry run[/bold] {report.config_name}: rank {report.rank} of {lay.world_size} "
+        f"[bold]dry run[/bold] {report.config_name} on {device_type}: rank {report.rank} of "
+        f"{lay.world_size} "
         f"(pp {lay.pp}, dp {lay.dp}, ep {lay.ep}): stage {report.stage}, layers "
         f"{layers.start}-{layers.stop - 1}, dp rank {report.dp_rank}, ep rank {report.ep_rank}, "
         f"experts {report.experts.start}-{report.experts.stop - 1} of each MoE layer"
@@ -212,7 +226,12 @@ def print_dry_run(report: DryRunReport) -> None:
 
 
 def run_dry_run(config: RunConfig, args: argparse.Namespace) -> int:
-    """`moetrain train --dry-run`: world size from --world-size, else parallel.dp x parallel.pp."""
+    """`moetrain train --dry-run`: world size from --world-size, else parallel.dp x parallel.pp;
+    the parameters as a run on --device has them (default: cuda when this machine has one, else
+    cpu; a dry run may name a device this machine lacks, to plan a run elsewhere)."""
+    device_type = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    config = on_device(config, device_type)
     world_size = args.world_size or (config.parallel.dp or 1) * config.parallel.pp
-    print_dry_run(dry_run(config, layout_from_config(config, world_size), args.rank))
+    report = dry_run(config, layout_from_config(config, world_size), args.rank)
+    print_dry_run(report, device_type)
     return 0

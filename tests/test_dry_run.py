@@ -136,3 +136,32 @@ def test_bad_rank_or_layout_is_a_value_error():
         dry_run(config, P.Layout(pp=2, dp=4, ep=4, micro_batch_size=1), 8)
     with pytest.raises(ValueError, match=r"parallel\.ep \(3\)"):
         dry_run(config, P.Layout(pp=1, dp=3, ep=3, micro_batch_size=1), 0)
+
+
+def test_the_dry_run_lists_the_parameters_a_run_on_the_device_has(tmp_cache, tmp_path, capsys):
+    """precision.param_dtype auto: the CPU trains in fp32 and the dry run there says so, with
+    the Trainer's parameter bytes; `--device cuda` shows a GPU run's bf16 on any machine."""
+    from moetrain.cli import main
+    from moetrain.dry_run import on_device
+    from moetrain.train.trainer import Trainer
+
+    config = get_preset("tiny")
+    trainer = Trainer(config, tmp_path, device="cpu", progress=False)
+    params = list(trainer.model.parameters())
+    trainer.shutdown()
+    report = dry_run(on_device(config, "cpu"), layout_from_config(config, 1), 0)
+    assert {p.dtype for p in params} == {torch.float32}
+    assert {row.dtype for row in report.rows} == {"float32"}
+    assert report.param_bytes == sum(p.numel() * p.element_size() for p in params)
+    dtypes = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float32")}  # shown, not
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    for flags, device in (
+        ([], default),
+        (["--device", "cpu"], "cpu"),
+        (["--device", "cuda"], "cuda"),
+    ):
+        capsys.readouterr()
+        assert main(["train", "--preset", "tiny", "--dry-run", *flags]) == 0
+        out = capsys.readouterr().out
+        shown, absent = dtypes[device]
+        assert f"tiny on {device}" in out and shown in out and absent not in out

@@ -6,27 +6,21 @@ layout the planner cannot model skips the check, and `force` skips it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
 import torch
 
 from moetrain.config import RunConfig
-from moetrain.dry_run import layout_from_config
+from moetrain.dry_run import layout_from_config, on_device
 from moetrain.parallel.mesh import cuda_device_index, read_launch_env, resolve_backend
 from moetrain.plan.layout import GIB, num_microbatches
 from moetrain.plan.memory import stage_memory
-from moetrain.train.build import resolve_param_dtype
 
 
 def predicted_peak(config: RunConfig, world_size: int, device_type: str) -> int:
     """Bytes at the peak of the most loaded rank, under the parameter dtype `device_type` gets."""
-    dtype = resolve_param_dtype(config, torch.device(device_type))  # what "auto" means there
-    param_dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
-    config = dataclasses.replace(
-        config, precision=dataclasses.replace(config.precision, param_dtype=param_dtype)
-    )
+    config = on_device(config, device_type)  # what "auto" means there
     layout = layout_from_config(config, world_size)
     t = config.train
     tokens = t.global_batch_tokens or t.micro_batch_size * t.seq_len * layout.dp
