@@ -13,7 +13,7 @@ from moetrain.convert.cli import add_convert_parsers
 from moetrain.data.cli import add_prepare_parser
 from moetrain.plan import add_plan_parser
 from moetrain.plot import add_plot_parser
-from moetrain.presets import PRESETS
+from moetrain.presets import PRESETS, names_field
 from moetrain.presets import load_config as layered_config
 
 DEFAULT_PRESET = "demo"
@@ -32,17 +32,20 @@ def version() -> str:
 
 def load_config(args: argparse.Namespace) -> RunConfig:
     """--preset (default: demo) and/or CONFIG.yaml layered on it (or on its base YAML or
-    preset), then --set overrides; an unset model.vocab_size (and, with document masking,
-    data.eos_id) is taken from the tokenizer."""
+    preset), then --set overrides; model.vocab_size unset, or the preset's where neither the
+    YAML nor --set names it, is taken from the data's tokenizer (`resolve_vocab_size`), and so
+    is data.eos_id with document masking: what the trainer will use."""
     from moetrain.data.loader import resolve_eos_id, resolve_vocab_size
 
     path = getattr(args, "config", None)
-    for item in args.set or []:
+    overrides = args.set or []
+    for item in overrides:
         if "=" not in item:  # `--set train.steps 2` leaves "2" as the config file
             value = path if path is not None and not Path(path).is_file() else "VALUE"
             raise ValueError(f"--set {item} needs a value: write --set {item}={value}")
-    config = layered_config(args.preset, path)
-    return resolve_eos_id(resolve_vocab_size(config.with_overrides(args.set or [])))
+    config = layered_config(args.preset, path).with_overrides(overrides)
+    given = names_field("model.vocab_size", path, overrides)
+    return resolve_eos_id(resolve_vocab_size(config, given=given))
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -183,6 +186,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     weights = (counts.dense + counts.experts / config.parallel.ep) * 2 * 2
     info = {
         "name": config.name,
+        "vocab_size": config.model.vocab_size,
         "total_params": counts.total,
         "active_params": counts.active,
         "expert_params": counts.experts,

@@ -156,6 +156,16 @@ def load_config(preset: str | None = None, path: str | Path | None = None) -> Ru
     return layer(get_preset(base) if base else RunConfig(), merged)
 
 
+def names_field(key: str, path: str | Path | None, overrides: list[str]) -> bool:
+    """Whether the user sets `key` ("section.field") themselves: the YAML at `path` or a base
+    it names lists it, or an override does; a field neither names keeps its preset's value."""
+    section, _, name = key.partition(".")
+    for _, data in yaml_chain(path) if path is not None else []:
+        if isinstance(data.get(section), dict) and name in data[section]:
+            return True
+    return any(item.partition("=")[0].strip() == key for item in overrides)
+
+
 def yaml_chain(path: str | Path) -> list[tuple[Path, dict]]:
     """(file, its mapping without `base:`) for a YAML and each base it names in turn, the file
     itself first."""

@@ -181,6 +181,27 @@ def two_source_mix(tmp_path: Path, repeats: int = 40, num_docs: int = 40) -> str
     return f"data.sources=[{{path: {paths[0]}, weight: 0.7}}, {{path: {paths[1]}, weight: 0.3}}]"
 
 
+def train_bpe(path: Path, texts: list[str], vocab_size: int, byte_alphabet: bool = True) -> Path:
+    """A byte-level BPE tokenizer.json at `path` trained on `texts` to at most `vocab_size` ids,
+    with <|endoftext|>; without the byte alphabet it can be smaller than 257 ids."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_alphabet else [],
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
 def assert_failed_prepare_left(directory: Path, before: list[Path], out: Path) -> None:
     """After a failed `prepare` into `out`: no output, nothing new in `directory` but the work
     directory ``out.partial``, and in that only finished units (nothing partly written)."""

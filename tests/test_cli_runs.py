@@ -197,7 +197,8 @@ def test_relative_eval_sets_and_task_files_name_the_same_files_from_anywhere(
     assert _records(run, "eval")[4] == final
 
     elsewhere = tmp_path / "elsewhere"  # the same names, other contents
-    shutil.copytree(work / "a", elsewhere / "a")
+    for name in ("a", "tok"):
+        shutil.copytree(work / name, elsewhere / name)
     _text_dir(elsewhere, "wiki", "other text")
     _task(elsewhere / "mine.jsonl", "print(")
     monkeypatch.chdir(elsewhere)

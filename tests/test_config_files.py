@@ -87,3 +87,45 @@ def test_a_set_without_a_value_and_a_file_as_data_path_say_what_to_do(tmp_path, 
     bad = ["inspect", "--preset", "tiny", "--set", "model.vocab_size=null"]
     assert main([*bad, "--set", f"data.path={tmp_path / 'corpus.jsonl'}"]) == 2
     assert "is a file, not a token directory; make one of it with" in capsys.readouterr().err
+
+
+def test_a_presets_vocabulary_follows_the_datas_tokenizer_unless_the_user_sets_it(
+    tmp_path, tmp_cache, capsys
+):
+    """`tiny` pins 320 ids (the byte tokenizer's); on a token directory of a 400-id tokenizer,
+    `inspect`, `config` and `train` all take 448 (400 rounded up to a multiple of 64) unless a
+    YAML or --set names model.vocab_size. The embedded corpus keeps the preset's."""
+    from conftest import train_bpe
+
+    from moetrain.data import prepare, read_meta
+    from moetrain.model.flops import param_counts
+
+    texts = [" ".join(f"w{(i * j) % 211} z{j % 37}" for j in range(80)) for i in range(60)]
+    tokenizer = train_bpe(tmp_path / "bpe.json", texts, 400)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    data = prepare(
+        [tmp_path / "docs.jsonl"], tmp_path / "tok", tokenizer=str(tokenizer), progress=False
+    )
+    assert 384 < read_meta(data)["vocab_size"] <= 448
+    on_data = ["--preset", "tiny", "--set", f"data.path={data}"]
+
+    def inspected(*args: str) -> dict:
+        assert main(["inspect", *args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    info = inspected(*on_data)
+    expected = tiny().with_overrides(["model.vocab_size=448"])
+    assert (info["vocab_size"], info["total_params"]) == (448, param_counts(expected).total)
+    assert main(["config", *on_data]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["vocab_size"] == 448
+    run = ["--run-dir", str(tmp_path / "run"), "--quiet", "--set", "train.steps=1"]
+    assert main(["train", *on_data, *run, "--set", "train.eval_every=0"]) == 0
+    assert RunConfig.load_yaml(tmp_path / "run" / "config.yaml").model.vocab_size == 448
+    capsys.readouterr()
+
+    assert inspected(*on_data, "--set", "model.vocab_size=512")["vocab_size"] == 512
+    pinned = tmp_path / "pinned.yaml"
+    pinned.write_text(f"preset: tiny\nmodel:\n  vocab_size: 320\ndata:\n  path: {data}\n")
+    assert inspected(str(pinned))["vocab_size"] == 320  # the user's, though too small to train
+    assert inspected("--preset", "tiny")["vocab_size"] == 320
+    assert inspected("--preset", "olmoe-1b-7b")["vocab_size"] == 50304

@@ -11,6 +11,7 @@ from moetrain.checkpoint import manager
 from moetrain.cli import main
 from moetrain.config_resume import check_resumable, is_frozen, resume_run_config
 from moetrain.data import resolve_data_paths
+from moetrain.data.tokenizer_files import byte_tokenizer_json
 from moetrain.presets import tiny
 from moetrain.train.resume import check_resume
 
@@ -84,7 +85,9 @@ def test_resume_rebuilds_the_config_from_the_run(tmp_cache, tmp_path, capsys):
     # the preset again without the original --set would change train.lr: refused
     assert main([*resume, "--preset", "tiny", "--set", "train.steps=6"]) == 2
     assert "differs from it: train.lr (0.003 there, 0.001 in the run)" in capsys.readouterr().err
-    for field, value in (("model.d_model", 96), ("train.seq_len", 32), ("data.tokenizer", "x")):
+    other = tmp_path / "tokenizer.json"  # a tokenizer file, not the run's byte tokenizer
+    other.write_text(json.dumps(byte_tokenizer_json()))
+    for field, value in (("model.d_model", 96), ("train.seq_len", 32), ("data.tokenizer", other)):
         assert main([*resume, "--set", f"{field}={value}"]) == 2
         assert f"{field} cannot change on --resume" in capsys.readouterr().err
     assert yaml.safe_load((run / "config.yaml").read_text()) == saved

@@ -294,10 +294,14 @@ def padded_vocab_size(tokenizer_size: int) -> int:
     return -(-tokenizer_size // 64) * 64
 
 
-def resolve_vocab_size(config: RunConfig) -> RunConfig:
-    """`config` with model.vocab_size set: kept when given, else the run's tokenizer's
-    `padded_vocab_size`."""
-    if config.model.vocab_size is not None:
+def resolve_vocab_size(config: RunConfig, *, given: bool = True) -> RunConfig:
+    """`config` with model.vocab_size set: the run's tokenizer's `padded_vocab_size` when it is
+    unset, or when it is a preset's default that the user did not set (`given` False) and the
+    data brings its own vocabulary (a token directory, a mix, a tokenizer file); else kept, as a
+    preset's is on the byte-level embedded corpus and on random tokens."""
+    d = config.data
+    own_vocabulary = bool(d.sources) or d.path is not None or d.tokenizer != "byte"
+    if config.model.vocab_size is not None and (given or d.random_tokens or not own_vocabulary):
         return config
     if config.data.random_tokens:
         raise ValueError("model.vocab_size must be set when data.random_tokens is true")

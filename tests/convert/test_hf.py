@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import yaml
+from conftest import train_bpe
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -353,26 +354,6 @@ def test_tokenizer_files_travel_both_ways(tmp_path):
     assert (tmp_path / "imported" / "tokenizer" / "tokenizer_config.json").is_file()
 
 
-def _bpe(path, texts: list[str], vocab_size: int, byte_alphabet: bool = True):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_alphabet else []
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=alphabet,
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path))
-    return path
-
-
 def test_export_refuses_a_tokenizer_of_another_vocabulary(tmp_path):
     """--tokenizer T fits a model when the model's vocab_size is what T would give a run
     (its size rounded up to a multiple of 64), or T is the run's own tokenizer within it."""
@@ -380,8 +361,8 @@ def test_export_refuses_a_tokenizer_of_another_vocabulary(tmp_path):
     from moetrain.data.tokenizer_files import byte_tokenizer_json
 
     texts = ["the quick brown fox jumps over the lazy dog"] * 20
-    small = _bpe(tmp_path / "small" / "tokenizer.json", texts, 40, byte_alphabet=False)
-    bpe = _bpe(tmp_path / "bpe" / "tokenizer.json", texts, 300)
+    small = train_bpe(tmp_path / "small" / "tokenizer.json", texts, 40, byte_alphabet=False)
+    bpe = train_bpe(tmp_path / "bpe" / "tokenizer.json", texts, 300)
     byte = tmp_path / "byte" / "tokenizer.json"  # the byte tokenizer as a file: 257 ids
     byte.parent.mkdir()
     byte.write_text(json.dumps(byte_tokenizer_json()))
