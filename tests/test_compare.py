@@ -1,7 +1,7 @@
 """Resident experts against FSDP2 (moetrain/plan/compare.py and its parts) against hand
 arithmetic: overlap pairs, compute scaled per kind, FSDP2's transfers and memory per mode, the
 expert load, the micro-batch sweep and what it rejects for memory, the reference's row, and
-`moetrain plan --compare-fsdp`."""
+`moetrain plan` beyond a node."""
 
 import dataclasses
 import json
@@ -218,18 +218,17 @@ def _plan(argv):
     return P.run_plan(parser.parse_args(["plan", *argv]))
 
 
-def test_plan_compare_fsdp_beyond_one_node(capsys, tmp_path):
-    argv = ["--preset", "ref-47b", "--gpus", "16", "--gpu", "b300", "--compare-fsdp"]
+def test_plan_ranks_hsdp_beyond_one_node_and_names_a_bad_overlap_file(capsys, tmp_path):
+    argv = ["--preset", "ref-47b", "--gpus", "16", "--gpu", "b300"]
     assert _plan([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["best"]) == {"resident", "resident, two_chunk", "resident, fp8 dispatch"} | {
-        v.name for v in C.FSDP
-    }
-    assert all(r["gpus"] == 16 and r["peak_gib"] > 0 for r in out["sweep"])
+    families = {r["family"] for r in out["rows"]}
+    assert families == {"DDP, experts replicated", "resident experts", "FSDP2", "HSDP"}
+    assert all(r["gpus"] == 16 and r["peak_gib"] > 0 for r in out["rows"])
     assert any(line.startswith("overlap: ") for line in out["assumptions"])  # its source stated
     assert _plan(argv) == 0
     text = capsys.readouterr().out
-    assert "| hsdp | 16 x b300 |" in text and "tok/s/GPU" in text
+    assert "│ HSDP, shards of 8" in text and "tok/s/GPU" in text
     (tmp_path / "bad.json").write_text("{}")
     assert _plan([*argv, "--overlap", str(tmp_path / "bad.json")]) == 2
     assert "overlap file" in capsys.readouterr().err

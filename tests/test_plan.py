@@ -313,12 +313,12 @@ def test_olmoe_1b_7b_at_ep8_fits_an_h200_with_expert_buffers_of_at_most_2TK(caps
     # the saved dispatched rows, gate|up and SwiGLU outputs: a (D + 3 F) bytes a row
     assert rows[2.0, "ffn"] - rows[None, "ffn"] == 2 * (rows[2.0] - rows[None]) * (D + 3 * F)
     argv = ["--preset", "olmoe-1b-7b", "--gpus", "8", "--ep", "8", "--micro-batch-size", "4"]
-    argv += ["--checkpointing", "none"]
+    argv += ["--checkpointing", "none", "--global-batch-tokens", str(8 * T)]
     assert _cli([*argv, "--json"]) == 0
-    (best,) = json.loads(capsys.readouterr().out)["layouts"][:1]
+    best = json.loads(capsys.readouterr().out)["best"]
     assert best["fits"] and best["dispatcher"] == "all_to_all"
     assert best["expert_rows_per_layer"] == best["routes_per_layer"] == T * K
-    assert _cli(argv) == 0
+    assert _cli([*argv, "--details"]) == 0
     assert f"{T * K:,} rows per MoE layer" in capsys.readouterr().out
 
 
@@ -379,12 +379,14 @@ def _cli(argv):
 
 
 def test_cli_prints_json_and_a_table(capsys):
-    assert _cli(["--preset", "tiny", "--gpus", "8", "--gpu", "h100", "--top", "3", "--json"]) == 0
+    argv = ["--preset", "tiny", "--gpus", "8", "--gpu", "h100", "--top", "3"]
+    assert _cli([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["layouts"]) == 3 and out["num_gpus"] == 8
-    first = out["layouts"][0]
-    assert {"step_s", "tflops_per_gpu", "mfu", "peak_memory_gib", "fits"} <= set(first)
-    assert {"all_to_all_inter", "grad_sync_intra"} <= set(first["traffic_bytes_per_step"])
+    assert out["num_gpus"] == 8 and out["num_fitting"] <= out["num_ranked"]
+    assert [r["rank"] for r in out["rows"][:3]] == [1, 2, 3] and out["best"] == out["rows"][0]
+    first = out["best"]
+    assert {"step_s", "tflops_per_gpu", "tokens_per_s_per_gpu", "peak_gib", "fits"} <= set(first)
+    assert first["comm"] and all(seconds >= 0 for seconds in first["comm"].values())
 
     assert _cli(["--preset", "trillion-1.2t", "--gpus", "512", "--gpu", "b300"]) == 0
     table = capsys.readouterr().out
