@@ -180,6 +180,32 @@ def test_expert_load_grows_the_busiest_ranks_products_buffers_and_all_to_alls():
     assert busy.peak_bytes > even.peak_bytes
 
 
+def test_the_busiest_rank_follows_the_configs_dispatcher():
+    """Dropless (exact splits): the busiest rank computes and receives `load` x T K rows, sends
+    between stages unchanged. NoSync at cf 1.25: its fixed blocks travel whole whatever the
+    load, and its experts compute at most the blocks' rows."""
+    lay = layout(16384, ep=8)
+    capped = REF.with_overrides(["moe.capacity_factor=1.25"])
+    for config, dispatcher in ((REF, "all_to_all"), (capped, "no_sync")):
+        est = P.estimate(config, cluster(), lay, GLOBAL)
+        assert est.expert_rows.dispatcher == dispatcher
+        rows = {
+            load: C.resident_row(
+                REF, VARIANTS["resident"], Setting(cluster=cluster(), expert_load=load), lay, est
+            )
+            for load in (1.0, 1.5)
+        }
+        even, busy = rows[1.0], rows[1.5]
+        assert busy.comm["pipeline sends"] == even.comm["pipeline sends"] == 0  # pp 1
+        a2a = busy.comm["all-to-alls"] / even.comm["all-to-alls"]
+        experts = busy.compute.experts / even.compute.experts
+        if dispatcher == "all_to_all":
+            assert a2a == pytest.approx(1.5) and experts == pytest.approx(1.5)
+        else:
+            cap = est.expert_rows.rows / est.expert_rows.routes  # about the capacity factor
+            assert a2a == 1.0 and experts == pytest.approx(cap) and 1.25 <= cap < 1.26
+
+
 def test_two_chunk_hides_the_all_to_alls_by_the_measured_pair():
     pairs = dict(O.ASSUMED.pairs, a2a=O.Pair(0.0, 1.0))
     lay = layout(16384, ep=8)

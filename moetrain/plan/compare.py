@@ -121,7 +121,7 @@ def resident_row(
         index, sync = dispatcher_s(config, setting, variant, layout, tokens)
         compute = dataclasses.replace(roof, memory=roof.memory + index, idle=sync)
     a2a = stage.microbatch_all_to_all_s * a2a_load
-    sends = stage.microbatch_comm_s - a2a
+    sends = stage.microbatch_comm_s - stage.microbatch_all_to_all_s
     fb = compute.forward_backward
     busy = paired_s(fb, a2a, pairs["a2a"]) if variant.two_chunk else fb + a2a
     microbatch = busy + sends
