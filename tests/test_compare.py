@@ -249,7 +249,7 @@ def test_plan_ranks_hsdp_beyond_one_node_and_names_a_bad_overlap_file(capsys, tm
     assert _plan([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     families = {r["family"] for r in out["rows"]}
-    assert families == {"DDP, experts replicated", "resident experts", "FSDP2", "HSDP"}
+    assert families == {"all experts on each GPU", "resident experts", "FSDP2", "HSDP"}
     assert all(r["gpus"] == 16 and r["peak_gib"] > 0 for r in out["rows"])
     assert any(line.startswith("overlap: ") for line in out["assumptions"])  # its source stated
     assert _plan(argv) == 0

@@ -19,8 +19,8 @@ from moetrain.dry_run import dry_run, layout_from_config
 from moetrain.parallel.expert import _check_two_chunk_capacity, resolve_dispatcher
 from moetrain.plan import answer
 from moetrain.plan.overlap import ASSUMED, Overlap, Pair
-from moetrain.plan.rank_compute import Setting
-from moetrain.plan.ranking import DEFAULT_GLOBAL_BATCH_TOKENS, rank
+from moetrain.plan.rank_compute import GLOBAL_BATCH_TOKENS, Setting
+from moetrain.plan.ranking import rank
 from moetrain.plan.run_memory import run_memory
 from moetrain.presets import get_preset
 from moetrain.train import fits
@@ -48,7 +48,7 @@ def test_the_2x8_h100_question_gets_one_ranking_and_a_command_whose_dry_run_prin
     assert cli.main(QUESTION) == 0
     text = capsys.readouterr().out
     assert text.count("Answer: ") == 1 and text.count("tok/s/GPU") == 1  # one ranking
-    assert f"global batch: {DEFAULT_GLOBAL_BATCH_TOKENS:,} tokens a step" in text
+    assert f"global batch: {GLOBAL_BATCH_TOKENS:,} tokens a step" in text
     assert "micro-batch: the sequences one GPU runs" in text and "2 (8,192 tok)" in text
     for family in answer.FAMILIES:  # ep 1 included, each family's best shown
         assert f"│ {family}" in text, family
@@ -60,8 +60,7 @@ def test_the_2x8_h100_question_gets_one_ranking_and_a_command_whose_dry_run_prin
     assert best["rank"] == 1 and plan["answer"][0] in text
     assert f"-m {best['train_command']}" in text and best["dry_run_command"] in text
     assert all(
-        r["tokens"] * r["microbatches"] * r["dp"] == DEFAULT_GLOBAL_BATCH_TOKENS
-        for r in plan["rows"]
+        r["tokens"] * r["microbatches"] * r["dp"] == GLOBAL_BATCH_TOKENS for r in plan["rows"]
     )
 
     argv = shlex.split(best["dry_run_command"])
@@ -122,7 +121,7 @@ def test_every_row_is_a_config_train_accepts_and_its_dry_run_memory(moe):
 def test_one_stated_global_batch_from_the_flag_the_config_or_the_default(capsys):
     tiny = ["plan", "--preset", "tiny", "--gpus", "2", "--gpu", "h100", "--json"]
     for extra, tokens, source in (
-        ([], DEFAULT_GLOBAL_BATCH_TOKENS, "default"),
+        ([], GLOBAL_BATCH_TOKENS, "default"),
         (["--set", "train.global_batch_tokens=8192"], 8192, "config"),
         (["--set", "train.global_batch_tokens=8192", "--global-batch-tokens", "4096"], 4096, "--"),
     ):

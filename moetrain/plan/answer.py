@@ -17,7 +17,7 @@ from moetrain.plan.layout import GIB, OVERHEAD_GIB
 from moetrain.plan.ranking import Ranked, Ranking
 from moetrain.plan.run_memory import run_memory
 
-FAMILIES = ("DDP, experts replicated", "resident experts", "FSDP2", "HSDP")
+FAMILIES = ("all experts on each GPU", "resident experts", "FSDP2", "HSDP")
 CLOSE = 0.05  # rows nearer than this are within what the model can tell apart
 RDZV_PORT = 29500
 
@@ -53,9 +53,9 @@ def header(config: RunConfig, ranking: Ranking, batch_source: str) -> list[str]:
         f"{seq.seq_len:,} tokens ({batch_source})",
         f"micro-batch: the sequences one GPU runs in a forward and backward (x {seq.seq_len:,} "
         "tokens); m: micro-batches a step on each GPU",
-        f"{len(ranking.rows)} configurations ranked, {num_fit} fit: DDP with the experts "
-        "replicated (ep 1) or resident (ep > 1), ZeRO-1 or replicated AdamW, with pp; FSDP2; "
-        "HSDP",
+        f"{len(ranking.rows)} configurations ranked, {num_fit} fit: DDP with all experts on each "
+        "GPU (ep 1) or resident experts (ep > 1), each with ZeRO-1 or the replicated AdamW and "
+        "pp; FSDP2; HSDP",
     ]
 
 

@@ -1,6 +1,6 @@
-"""Resident experts against FSDP2 on N GPUs of one kind: the arithmetic behind `moetrain plan
---compare-fsdp` and `moetrain bench --project` (docs/plan.md, "Resident experts or FSDP2?").
-A row is a layout variant (`Variant`) at one point of the sweep: tokens per micro-batch per rank
+"""Resident experts against FSDP2 on N GPUs of one kind: the rows of `moetrain plan`'s ranking
+(plan/ranking.py) and of `moetrain bench --project`'s sweep (docs/plan.md, "Resident experts or
+FSDP2?"). A row is a layout variant (`Variant`) at one layout: tokens per micro-batch per rank
 and activation checkpointing, at a fixed global batch. Nothing here imports torch.
 """
 

@@ -1,4 +1,4 @@
-"""What the comparison of resident experts and FSDP2 is made of: the layout variants, the
+"""What the rows of resident experts and FSDP2 are made of: the layout variants, the
 setting every row shares, and one rank's compute per micro-batch by kind (`Compute`): from the
 planner's roofline on the row's GPU, or measured (`RankCompute`, bench/measure_rank.py) and
 carried to each point of the sweep and to the row's GPU (docs/plan.md, "Compute"). Nothing here

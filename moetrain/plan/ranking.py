@@ -1,7 +1,7 @@
 """`moetrain plan`'s one ranking: every layout family at one global batch, each row a config that
 `moetrain train` accepts (docs/plan.md, "The ranking").
 
-Families: DDP with the experts replicated (ep 1) or resident on their GPUs (ep > 1), both with
+Families: DDP with all experts on each GPU (ep 1) or resident on their GPUs (ep > 1), both with
 ShardedAdamW (ZeRO-1) or the replicated AdamW and with pipeline stages, at ep > 1 also with
 `moe.overlap: two_chunk` or the FP8 dispatch payload; FSDP2 (each `parallel.fsdp_reshard`, fp32
 or bf16 reductions) and HSDP beyond a node, at pp 1 and ep 1. A row's time and memory are
@@ -23,22 +23,29 @@ from moetrain.moe.capacity import keeps_every_route
 from moetrain.plan.compare import Row, fsdp_row, resident_memory, resident_row
 from moetrain.plan.layout import Layout, candidate_layouts, microbatch_tokens
 from moetrain.plan.memory import ExpertRows, expert_rows, resolved_dispatcher
-from moetrain.plan.rank_compute import FSDP, RESIDENT, Setting, Variant, fsdp_shard, with_dispatch
+from moetrain.plan.rank_compute import (
+    FSDP,
+    GLOBAL_BATCH_TOKENS,
+    RESIDENT,
+    Setting,
+    Variant,
+    fsdp_shard,
+    with_dispatch,
+)
 from moetrain.plan.search import estimate
 
-DEFAULT_GLOBAL_BATCH_TOKENS = 4 * 2**20  # when neither the config nor --global-batch-tokens says
 LEARNED_EXPERT_LOAD = 1.25  # the busiest rank's routed rows over the mean, learned routing
 ALWAYS_SET = ("parallel.pp", "parallel.ep", "train.micro_batch_size", "train.global_batch_tokens")
 
 
 def global_batch(config: RunConfig, tokens: int | None) -> tuple[int, str]:
     """(tokens a step, where the number comes from): --global-batch-tokens, the config's
-    train.global_batch_tokens, else DEFAULT_GLOBAL_BATCH_TOKENS."""
+    train.global_batch_tokens, else GLOBAL_BATCH_TOKENS."""
     if tokens:
         return tokens, "--global-batch-tokens"
     if config.train.global_batch_tokens:
         return config.train.global_batch_tokens, "the config's train.global_batch_tokens"
-    return DEFAULT_GLOBAL_BATCH_TOKENS, "the planner's default; the config sets none"
+    return GLOBAL_BATCH_TOKENS, "the planner's default; the config sets none"
 
 
 def default_expert_load(config: RunConfig) -> float:
@@ -63,7 +70,7 @@ class Ranked:
     def family(self) -> str:
         if self.variant.fsdp:
             return "HSDP" if self.variant.hsdp else "FSDP2"
-        return "resident experts" if self.layout.ep > 1 else "DDP, experts replicated"
+        return "resident experts" if self.layout.ep > 1 else "all experts on each GPU"
 
     @property
     def optimizer(self) -> str:
