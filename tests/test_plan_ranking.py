@@ -133,3 +133,20 @@ def test_one_stated_global_batch_from_the_flag_the_config_or_the_default(capsys)
         assert cli.main([*tiny[:-1], *extra]) == 0
         head = capsys.readouterr().out.splitlines()[1]
         assert head.startswith(f"global batch: {tokens:,} tokens a step") and source in head
+
+
+def test_a_vocabulary_left_to_the_tokenizer_is_planned_stated_and_set_in_the_command(capsys):
+    """The planner reads no data: it plans such a config at 50,304 tokens, says so, and the
+    command sets it, so that the dry run (and train) build the model the plan counted."""
+    argv = ["plan", "--preset", "tiny", "--gpus", "2", "--set", "model.vocab_size=null"]
+    assert cli.main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert any(
+        line.startswith("model.vocab_size: the config leaves it") for line in plan["caveats"]
+    )
+    command = shlex.split(plan["best"]["dry_run_command"])
+    assert command[command.index("model.vocab_size=null") + 2] == "model.vocab_size=50304"
+    args = cli.build_parser().parse_args(command[1:])
+    config = cli.load_config(args)
+    report = dry_run(config, layout_from_config(config, 2), args.rank)
+    assert report.memory.peak == plan["best"]["peak_bytes"]

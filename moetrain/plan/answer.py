@@ -183,10 +183,11 @@ def commands(best: Ranked, source: Source, gpus: int, node: int) -> list[str]:
     elif gpus <= node:
         launch = ["Run it:", f"  torchrun --standalone --nproc-per-node {gpus} -m {train}"]
     else:
-        nodes, per = (gpus // node, node) if gpus % node == 0 else (1, gpus)
+        nodes = -(-gpus // node)
+        uneven = "" if gpus % node == 0 else f"; on the last, --nproc-per-node {gpus % node}"
         launch = [
-            f"Run it on each of the {nodes} nodes (HOST: the first node's address):",
-            f"  torchrun --nnodes {nodes} --nproc-per-node {per} --rdzv-backend c10d "
+            f"Run it on each of the {nodes} nodes (HOST: the first node's address{uneven}):",
+            f"  torchrun --nnodes {nodes} --nproc-per-node {node} --rdzv-backend c10d "
             f"--rdzv-endpoint HOST:{RDZV_PORT} -m {train}",
         ]
     rank, peak = dry_run_rank(best), best.row.peak_bytes / GIB
