@@ -1,5 +1,5 @@
 """The load a briefly trained router puts on expert-parallel ranks: max / mean routed rows per
-rank, the `--expert-load` of `moetrain bench --project` and `moetrain plan --compare-fsdp`.
+rank, the `--expert-load` of `moetrain bench --project` and `moetrain plan`.
 
     python benchmarks/routing_load.py --steps 200 --ep 8 [--device cuda]
 

@@ -4,7 +4,9 @@ For a layout (dp, ep, pp) and a global rank (placed as moetrain.plan does), `bui
 builds the Transformer on meta and keeps what that rank would hold: its stage's layers, the
 embedding on the first stage, the final norm and LM head on the last, and its num_experts / ep
 experts of each MoE layer. Nothing is allocated, at any size. `dry_run` lists the parameters with
-their bytes next to the planner's memory estimate; the two parameter totals must agree.
+their bytes next to the planner's memory estimate for the run's data-parallel family
+(`plan.run_memory`: the peak `moetrain plan` ranks a config at); the two parameter totals must
+agree.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from moetrain.plan import (
     rank_coordinates,
     rank_params,
     stage_layer_ranges,
-    stage_memory,
     validate_layout,
 )
 from moetrain.plan.cli import wide_console
+from moetrain.plan.layout import OVERHEAD_GIB
+from moetrain.plan.run_memory import run_memory
 from moetrain.train.build import resolve_param_dtype
 
 
@@ -124,7 +127,8 @@ class DryRunReport:
     num_params: int
     param_bytes: int
     num_microbatches: int
-    memory: Memory  # the planner's estimate for this rank
+    memory: Memory | None  # the planner's estimate for this rank (None: a layout it does not model)
+    family: str  # how the rank holds its state: ZeRO-1, the replicated AdamW, FSDP2 or HSDP
     expert_rows: ExpertRows  # the rank's expert buffer per MoE layer and micro-batch
 
 
@@ -159,7 +163,7 @@ def dry_run(
     layout: Layout,
     rank: int,
     global_batch_tokens: int | None = None,
-    overhead_gib: float = 2.0,
+    overhead_gib: float = OVERHEAD_GIB,
 ) -> DryRunReport:
     """Build `rank`'s model on meta and report its parameters and estimated memory."""
     tokens = global_batch_tokens or default_global_batch_tokens(config, layout.world_size)
@@ -170,6 +174,10 @@ def dry_run(
     expected = rank_params(config, pp=layout.pp, ep=layout.ep, stage=stage)
     assert num_params == expected.total, (num_params, expected)
     num_micro = num_microbatches(config, layout, tokens)
+    try:
+        memory = run_memory(config, layout, stage, num_micro, overhead=int(overhead_gib * GIB))
+    except ValueError:
+        memory = None
     return DryRunReport(
         config_name=config.name,
         layout=layout,
@@ -183,9 +191,22 @@ def dry_run(
         num_params=num_params,
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         num_microbatches=num_micro,
-        memory=stage_memory(config, layout, stage, num_micro, overhead=int(overhead_gib * GIB)),
+        memory=memory,
+        family=family(config, layout),
         expert_rows=expert_rows(config, layout.ep, microbatch_tokens(config, layout)),
     )
+
+
+def family(config: RunConfig, layout: Layout) -> str:
+    """How a rank of `config` holds its parameters, gradients and optimizer state."""
+    p = config.parallel
+    if p.data_parallel == "fsdp":
+        shard = p.fsdp_shard_size or layout.dp
+        kind = f"HSDP, shards of {shard}" if shard < layout.dp else f"FSDP2 over {shard} ranks"
+        return f"{kind}, reshard {p.fsdp_reshard}"
+    if config.train.optimizer == "sharded":
+        return "DDP, ShardedAdamW (ZeRO-1: optimizer state sharded)"
+    return "DDP, replicated AdamW (whole optimizer state on each rank)"
 
 
 def print_dry_run(report: DryRunReport, device_type: str = "cuda") -> None:
@@ -213,15 +234,22 @@ def print_dry_run(report: DryRunReport, device_type: str = "cuda") -> None:
             row.kind,
         )
     console.print(table)
-    mem = report.memory
     console.print(
-        f"{report.num_params:,} parameters ({report.param_bytes / GIB:,.2f} GiB). Estimated peak "
-        f"{mem.peak / GIB:,.2f} GiB = parameters {mem.params / GIB:,.2f} + gradients "
-        f"{mem.grads / GIB:,.2f} + optimizer shards {mem.optimizer / GIB:,.2f} + activations "
-        f"{mem.activations / GIB:,.2f} ({report.num_microbatches} micro-batches of "
-        f"{lay.micro_batch_size}, checkpointing {lay.activation_checkpointing}) + transient "
-        f"{mem.transient / GIB:,.2f} + overhead {mem.overhead / GIB:,.2f}. Nothing was allocated."
+        f"{report.num_params:,} parameters ({report.param_bytes / GIB:,.2f} GiB) before any "
+        f"sharding; {report.family}."
     )
+    mem = report.memory
+    if mem is None:
+        console.print("The planner does not model this layout's memory. Nothing was allocated.")
+    else:
+        console.print(
+            f"Estimated peak {mem.peak / GIB:,.2f} GiB = parameters {mem.params / GIB:,.2f} + "
+            f"gradients {mem.grads / GIB:,.2f} + optimizer state {mem.optimizer / GIB:,.2f} + "
+            f"activations {mem.activations / GIB:,.2f} ({report.num_microbatches} micro-batches "
+            f"of {lay.micro_batch_size}, checkpointing {lay.activation_checkpointing}) + "
+            f"transient {mem.transient / GIB:,.2f} + overhead {mem.overhead / GIB:,.2f}. Nothing "
+            "was allocated."
+        )
     console.print(f"Expert buffers on this rank: {report.expert_rows.describe()}.")
 
 

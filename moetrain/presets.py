@@ -102,8 +102,9 @@ def _trillion(name: str, num_experts: int) -> RunConfig:
     """trillion-1.2t: the reference trillion-scale run's totals in the OLMoE block, 1.195T
     parameters, 58.57B active per token (reported: about 1.2T and 58.36B), with random routing
     as in the reference measurement, the dropless exact-split dispatcher, pp 16 x ep 8 without
-    checkpointing (the arithmetic and the layout's choice: docs/plan.md). trillion-2.4t: the
-    reference capacity run's scale, the same model with 512 experts, 2.37T parameters."""
+    checkpointing, ShardedAdamW (the arithmetic and the layout's choice: docs/plan.md).
+    trillion-2.4t: the reference capacity run's scale, the same model with 512 experts, 2.37T
+    parameters."""
     return RunConfig(
         name=name,
         model=ModelConfig(vocab_size=50304, d_model=7168, num_layers=104, num_heads=56),
@@ -115,7 +116,12 @@ def _trillion(name: str, num_experts: int) -> RunConfig:
             dispatcher="all_to_all",  # dropless exact splits, as auto (see docs/plan.md)
         ),
         parallel=ParallelConfig(pp=16, ep=8, activation_checkpointing="none"),
-        train=TrainConfig(seq_len=4096, micro_batch_size=1, global_batch_tokens=4096 * 4096),
+        train=TrainConfig(
+            seq_len=4096,
+            micro_batch_size=1,
+            global_batch_tokens=4096 * 4096,
+            optimizer="sharded",  # ZeRO-1: what the layout's plan holds (docs/plan.md)
+        ),
     )
 
 

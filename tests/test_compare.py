@@ -1,7 +1,7 @@
 """Resident experts against FSDP2 (moetrain/plan/compare.py and its parts) against hand
 arithmetic: overlap pairs, compute scaled per kind, FSDP2's transfers and memory per mode, the
 expert load, the micro-batch sweep and what it rejects for memory, the reference's row, and
-`moetrain plan --compare-fsdp`."""
+`moetrain plan` beyond a node."""
 
 import dataclasses
 import json
@@ -180,6 +180,32 @@ def test_expert_load_grows_the_busiest_ranks_products_buffers_and_all_to_alls():
     assert busy.peak_bytes > even.peak_bytes
 
 
+def test_the_busiest_rank_follows_the_configs_dispatcher():
+    """Dropless (exact splits): the busiest rank computes and receives `load` x T K rows, sends
+    between stages unchanged. NoSync at cf 1.25: its fixed blocks travel whole whatever the
+    load, and its experts compute at most the blocks' rows."""
+    lay = layout(16384, ep=8)
+    capped = REF.with_overrides(["moe.capacity_factor=1.25"])
+    for config, dispatcher in ((REF, "all_to_all"), (capped, "no_sync")):
+        est = P.estimate(config, cluster(), lay, GLOBAL)
+        assert est.expert_rows.dispatcher == dispatcher
+        rows = {
+            load: C.resident_row(
+                REF, VARIANTS["resident"], Setting(cluster=cluster(), expert_load=load), lay, est
+            )
+            for load in (1.0, 1.5)
+        }
+        even, busy = rows[1.0], rows[1.5]
+        assert busy.comm["pipeline sends"] == even.comm["pipeline sends"] == 0  # pp 1
+        a2a = busy.comm["all-to-alls"] / even.comm["all-to-alls"]
+        experts = busy.compute.experts / even.compute.experts
+        if dispatcher == "all_to_all":
+            assert a2a == pytest.approx(1.5) and experts == pytest.approx(1.5)
+        else:
+            cap = est.expert_rows.rows / est.expert_rows.routes  # about the capacity factor
+            assert a2a == 1.0 and experts == pytest.approx(cap) and 1.25 <= cap < 1.26
+
+
 def test_two_chunk_hides_the_all_to_alls_by_the_measured_pair():
     pairs = dict(O.ASSUMED.pairs, a2a=O.Pair(0.0, 1.0))
     lay = layout(16384, ep=8)
@@ -218,18 +244,17 @@ def _plan(argv):
     return P.run_plan(parser.parse_args(["plan", *argv]))
 
 
-def test_plan_compare_fsdp_beyond_one_node(capsys, tmp_path):
-    argv = ["--preset", "ref-47b", "--gpus", "16", "--gpu", "b300", "--compare-fsdp"]
+def test_plan_ranks_hsdp_beyond_one_node_and_names_a_bad_overlap_file(capsys, tmp_path):
+    argv = ["--preset", "ref-47b", "--gpus", "16", "--gpu", "b300"]
     assert _plan([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["best"]) == {"resident", "resident, two_chunk", "resident, fp8 dispatch"} | {
-        v.name for v in C.FSDP
-    }
-    assert all(r["gpus"] == 16 and r["peak_gib"] > 0 for r in out["sweep"])
+    families = {r["family"] for r in out["rows"]}
+    assert families == {"all experts on each GPU", "resident experts", "FSDP2", "HSDP"}
+    assert all(r["gpus"] == 16 and r["peak_gib"] > 0 for r in out["rows"])
     assert any(line.startswith("overlap: ") for line in out["assumptions"])  # its source stated
     assert _plan(argv) == 0
     text = capsys.readouterr().out
-    assert "| hsdp | 16 x b300 |" in text and "tok/s/GPU" in text
+    assert "│ HSDP, shards of 8" in text and "tok/s/GPU" in text
     (tmp_path / "bad.json").write_text("{}")
     assert _plan([*argv, "--overlap", str(tmp_path / "bad.json")]) == 2
     assert "overlap file" in capsys.readouterr().err

@@ -1,10 +1,12 @@
 """`moetrain plan`: choose a parallel layout for a model and a cluster before launching it.
 
-For every valid layout (pp, dp, ep, micro-batch, activation checkpointing) the planner estimates
-per GPU the peak memory, the bytes sent per step over NVLink and the network, and a roofline step
-time. It is arithmetic on the config: nothing is built and torch is not imported. Modules, each
-depending only on those before it: `links`, `layout`, `memory`, `timing`, `search`,
-`calibration`, `compare` (with `rank_compute`, `fsdp`, `overlap`, `compare_report`), `cli`.
+For every layout family (DDP with all experts on each GPU or resident experts, FSDP2, HSDP) at
+every valid layout (pp, dp, ep, micro-batch, activation checkpointing) the planner estimates per
+GPU the peak memory and a step time, and ranks them in one table at one global batch, each row a
+config `moetrain train` accepts. It is arithmetic on the config: nothing is built and torch is not
+imported. Modules, each depending only on those before it: `links`, `layout`, `memory`,
+`timing`, `search`, `calibration`, `fsdp`, `run_memory`, `compare` (with `rank_compute`,
+`overlap`, `compare_report`), `ranking`, `answer`, `cli`.
 docs/plan.md states the model and its assumptions. Re-exported here: the Python API of
 docs/plan.md and what `moetrain.dry_run` uses.
 """

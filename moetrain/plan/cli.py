@@ -1,5 +1,6 @@
-"""`moetrain plan` on the command line: flags, the cluster they describe, and the ranked layouts
-as a table or as JSON (`--json`). rich is imported only to print the table.
+"""`moetrain plan` on the command line: flags, the cluster they describe, and the one ranking of
+every layout family (plan/ranking.py) with its answer, caveats and the best row's command
+(plan/answer.py), or all of it as JSON (`--json`). rich is imported only to print the table.
 """
 
 from __future__ import annotations
@@ -12,29 +13,25 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.config import RunConfig
-from moetrain.model.flops import ParamCounts, flops_per_token, param_counts
-from moetrain.plan import calibration
-from moetrain.plan.layout import (
-    CHECKPOINTING,
-    GIB,
-    GPUS,
-    SCHEDULES,
-    Cluster,
-    default_global_batch_tokens,
-)
-from moetrain.plan.search import Estimate, plan
+from moetrain.plan import answer, calibration
+from moetrain.plan.layout import CHECKPOINTING, GPUS, SCHEDULES, Cluster
+from moetrain.plan.memory import resolved_dispatcher
+from moetrain.plan.overlap import overlap_from
+from moetrain.plan.rank_compute import Setting
+from moetrain.plan.ranking import default_expert_load, global_batch, rank
 from moetrain.presets import load_config as layered_config
 
 _CLUSTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Cluster)}
-COMPARE_INTERNODE_GBPS = 50.0  # --compare-fsdp without --internode-gbps: 400 Gb/s per GPU
+PLANNED_VOCAB_SIZE = 50304  # a config that leaves the vocabulary to the tokenizer
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan",
-        help="rank parallel layouts by estimated memory and step time",
-        description="Estimate per-GPU memory, traffic and step time of every valid "
-        "(pp, dp, ep, micro-batch, checkpointing) layout and print the best.",
+        help="which layout to train with: every family ranked, the best one's command",
+        description="Rank every layout (DDP with replicated or resident experts, ZeRO-1 or "
+        "replicated AdamW, pipeline stages; FSDP2; HSDP) by modelled memory and step time at one "
+        "global batch, and print the answer, its caveats and the command that runs it.",
     )
     p.add_argument("config", nargs="?", help="a YAML run config")
     p.add_argument("--preset", help="a named preset instead of a config file")
@@ -73,41 +70,46 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "~/.cache/moetrain/calibration-<gpu>.json when it exists); they replace the efficiencies",
     )
     p.add_argument("--no-calibration", action="store_true", help="datasheet-derived rates only")
-    g = p.add_argument_group("resident experts against FSDP2 (docs/plan.md)")
-    g.add_argument(
-        "--compare-fsdp",
-        action="store_true",
-        help="each resident-expert and FSDP2/HSDP variant at its best micro-batch and "
-        "checkpointing that fits (the global batch: the config's, else 4M tokens)",
+    p.add_argument(
+        "--overlap",
+        help="overlap pairs measured by bench (default: benchmarks/overlap.json when it exists)",
     )
-    g.add_argument("--overlap", help="measured overlap pairs (default: benchmarks/overlap.json)")
-    g.add_argument(
+    p.add_argument(
         "--expert-load",
         type=float,
-        default=1.25,
-        help="the busiest rank's expert rows over the mean: a capacity factor or a measured "
-        "imbalance",
+        help="the busiest expert rank's routed rows over the mean (default 1.25, 1 for "
+        "moe.routing random): a capacity factor or a measured imbalance",
     )
-    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--top", type=int, default=10, help="rows shown, and each family's best")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--details", action="store_true", help="the model's assumptions and #1's step in parts"
+    )
+    p.add_argument("--compare-fsdp", action="store_true", help=argparse.SUPPRESS)  # the old mode
     p.set_defaults(func=run_plan)
     return p
 
 
-def load_config(config: str | None, preset: str | None, overrides: list[str]) -> RunConfig:
-    """--preset, a config file (layered on the preset it names, or on --preset), then --set."""
+def load_config(
+    config: str | None, preset: str | None, overrides: list[str]
+) -> tuple[RunConfig, tuple[str, ...]]:
+    """--preset, a config file (layered on the preset it names, or on --preset), then --set; and
+    the --set items the planner added: a vocabulary left to the tokenizer is PLANNED_VOCAB_SIZE
+    (the planner reads no data)."""
     if config is None and preset is None:
         raise ValueError("give a config file or --preset NAME")
     run = layered_config(preset, config)
     run = run.with_overrides(overrides) if overrides else run
-    if run.model.vocab_size is None:  # the planner never reads data: the benchmark vocabulary
-        run = run.with_overrides(["model.vocab_size=50304"])
-    return run
+    assumed: tuple[str, ...] = ()
+    if run.model.vocab_size is None:
+        assumed = (f"model.vocab_size={PLANNED_VOCAB_SIZE}",)
+        run = run.with_overrides(list(assumed))
+    return run, assumed
 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config, args.preset, args.set)
+        config, assumed = load_config(args.config, args.preset, args.set)
         cluster = Cluster(
             gpu=GPUS[args.gpu],
             num_gpus=args.gpus,
@@ -123,13 +125,19 @@ def run_plan(args: argparse.Namespace) -> int:
             overhead_gib=args.overhead_gib,
         )
         cluster, calibrated = apply_calibration(args, cluster, config.name)
-        if args.compare_fsdp:
-            return run_compare(args, config, cluster, calibrated)
-        tokens = args.global_batch_tokens or default_global_batch_tokens(config, args.gpus)
-        estimates = plan(
+        tokens, batch_source = global_batch(config, args.global_batch_tokens)
+        load = args.expert_load
+        setting = Setting(
+            cluster=cluster,
+            global_batch_tokens=tokens,
+            overlap=overlap_from(args.overlap),
+            expert_load=default_expert_load(config) if load is None else load,
+            load_source="--expert-load" if load is not None else _load_source(config),
+            dispatcher="no_sync" if resolved_dispatcher(config, 2) == "no_sync" else "all_to_all",
+        )
+        ranking = rank(
             config,
-            cluster,
-            tokens,
+            setting,
             pp=args.pp,
             dp=args.dp,
             ep=args.ep,
@@ -140,67 +148,35 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    counts = param_counts(config)
-    best = estimates[: args.top]
-    if args.json:
+    if args.compare_fsdp:
         print(
-            json.dumps(
-                {
-                    "config": config.name,
-                    "total_params": counts.total,
-                    "active_params": counts.active,
-                    "flops_per_token": flops_per_token(config),
-                    "gpu": args.gpu,
-                    "calibration": calibrated,
-                    "num_gpus": args.gpus,
-                    "gpus_per_node": args.nodes_of,
-                    "memory_limit_gib": cluster.memory_bytes / GIB,
-                    "global_batch_tokens": tokens,
-                    "num_candidates": len(estimates),
-                    "num_fitting": sum(e.fits for e in estimates),
-                    "layouts": [e.to_dict() for e in best],
-                },
-                indent=2,
-            )
+            "note: --compare-fsdp is no longer needed: every plan ranks FSDP2 and HSDP with the "
+            "resident layouts",
+            file=sys.stderr,
         )
-        return 0
-    if calibrated:
-        print(f"calibrated: {calibrated}")
-    _print_table(config, cluster, tokens, estimates, best, counts)
-    return 0
-
-
-def run_compare(
-    args: argparse.Namespace, config: RunConfig, cluster: Cluster, calibrated: str | None
-) -> int:
-    """--compare-fsdp: every variant's best point, the answer, the sweep in --json."""
-    from moetrain.plan import compare_report as report
-    from moetrain.plan.compare import best, sweep
-    from moetrain.plan.overlap import overlap_from
-    from moetrain.plan.rank_compute import FSDP, RESIDENT, Setting, global_batch_tokens
-
-    if args.internode_gbps is None:  # the comparison's default network: 400 Gb/s per GPU
-        cluster = dataclasses.replace(cluster, internode_gbps=COMPARE_INTERNODE_GBPS)
-    setting = Setting(
-        cluster=cluster,
-        global_batch_tokens=args.global_batch_tokens or global_batch_tokens(config),
-        overlap=overlap_from(args.overlap),
-        expert_load=args.expert_load,
-        load_source="--expert-load",
-    )
-    rows = sweep(config, setting, (RESIDENT[0], *RESIDENT[2:], *FSDP))
+    source = answer.Source(args.preset, args.config, tuple(args.set), assumed)
     if args.json:
-        print(json.dumps(report.to_json(config, setting, rows) | {"calibration": calibrated}))
+        print(json.dumps(answer.to_json(config, ranking, source, args.top, calibrated), indent=1))
         return 0
     if calibrated:
         print(f"calibrated: {calibrated}")
-    print("\n".join(report.assumptions(config, setting)))
-    chosen = best(rows)
-    print(report.markdown(list(chosen.values())))
-    print("\n".join(report.answer(chosen)))
-    if cluster.num_gpus == 8 and cluster.gpu.name == "b300":
-        print("\n".join(report.reference(config, setting)[0]))
+    print("\n".join(answer.header(config, ranking, batch_source)))
+    wide_console().print(answer.table(ranking, args.top))
+    print("\n".join(answer.verdict(ranking)))
+    print("Caveats:\n" + "\n".join(f"- {line}" for line in answer.caveats(
+        ranking, calibrated, source)))  # fmt: skip
+    if ranking.rows:
+        best = ranking.rows[0]
+        print("\n".join(answer.commands(best, source, args.gpus, args.nodes_of)))
+    if args.details:
+        print("\n".join(answer.details(config, ranking)))
     return 0
+
+
+def _load_source(config: RunConfig) -> str:
+    if config.moe.routing == "random":
+        return "the default for moe.routing random: even"
+    return "the default for learned routing; a measured imbalance belongs here"
 
 
 def apply_calibration(
@@ -223,53 +199,6 @@ def apply_calibration(
         f"{cluster.attention_efficiency:.2f} of peak, {cluster.hbm_bps / 1e12:.1f} TB/s, "
         f"activations x {cluster.activation_factor:.2f})"
     )
-
-
-def _print_table(
-    config: RunConfig,
-    cluster: Cluster,
-    tokens: int,
-    estimates: list[Estimate],
-    best: list[Estimate],
-    counts: ParamCounts,
-) -> None:
-    from rich.table import Table
-
-    num_fit = sum(e.fits for e in estimates)
-    table = Table(
-        title=f"{config.name}: {counts.total / 1e9:,.1f}B params, {counts.active / 1e9:,.2f}B "
-        f"active; {cluster.num_gpus} x {cluster.gpu.name} ({cluster.memory_bytes / GIB:.0f} GiB, "
-        f"{cluster.gpus_per_node} per node); {tokens:,} tokens per step; "
-        f"{num_fit} of {len(estimates)} layouts fit"
-    )
-    columns = ["pp", "dp", "ep", "mb", "ckpt", "micro", "step s", "tok/s/GPU", "TFLOP/s/GPU"]
-    for name in columns + ["MFU", "dispatch", "rows/layer", "peak GiB", "fits"]:
-        table.add_column(name, justify="left" if name in ("ckpt", "dispatch") else "right")
-    for e in best:
-        lay = e.layout
-        table.add_row(
-            *map(str, (lay.pp, lay.dp, lay.ep, lay.micro_batch_size)),
-            lay.activation_checkpointing,
-            str(e.num_microbatches),
-            f"{e.step_s:.3f}",
-            f"{e.tokens_per_s_per_gpu:,.0f}",
-            f"{e.tflops_per_gpu:,.0f}",
-            f"{e.mfu:.1%}",
-            e.expert_rows.dispatcher,
-            f"{e.expert_rows.rows:,}",
-            f"{e.peak_memory / GIB:,.1f}",
-            "yes" if e.fits else "[red]no[/red]",
-        )
-    console = wide_console()
-    console.print(table)
-    if best:
-        e = best[0]
-        console.print(
-            f"best layout's step: products {e.matmul_s:.3f}s, elementwise {e.elementwise_s:.3f}s, "
-            f"all-to-all + sends {e.comm_s:.3f}s, bubble {e.bubble_s:.3f}s ({e.layout.schedule}), "
-            f"gradient sync {e.grad_sync_s:.3f}s, optimizer {e.optimizer_s:.3f}s"
-        )
-        console.print(f"best layout's expert buffers on a rank: {e.expert_rows.describe()}")
 
 
 def wide_console() -> Any:

@@ -1,6 +1,6 @@
-"""Resident experts against FSDP2 on N GPUs of one kind: the arithmetic behind `moetrain plan
---compare-fsdp` and `moetrain bench --project` (docs/plan.md, "Resident experts or FSDP2?").
-A row is a layout variant (`Variant`) at one point of the sweep: tokens per micro-batch per rank
+"""Resident experts against FSDP2 on N GPUs of one kind: the rows of `moetrain plan`'s ranking
+(plan/ranking.py) and of `moetrain bench --project`'s sweep (docs/plan.md, "Resident experts or
+FSDP2?"). A row is a layout variant (`Variant`) at one layout: tokens per micro-batch per rank
 and activation checkpointing, at a fixed global batch. Nothing here imports torch.
 """
 
@@ -15,7 +15,7 @@ from moetrain.config import RunConfig
 from moetrain.model.flops import flops_per_token
 from moetrain.plan.fsdp import fsdp_memory, fsdp_transfers
 from moetrain.plan.layout import GIB, Cluster, Layout, candidate_layouts
-from moetrain.plan.memory import Memory, precision_bytes, rank_params
+from moetrain.plan.memory import ExpertRows, Memory, precision_bytes, rank_params
 from moetrain.plan.overlap import Pair, paired_s
 from moetrain.plan.rank_compute import (
     FSDP,
@@ -29,6 +29,7 @@ from moetrain.plan.rank_compute import (
     resident_config,
     roofline_compute,
 )
+from moetrain.plan.run_memory import replicated_optimizer
 from moetrain.plan.search import Estimate, estimate
 from moetrain.plan.timing import bubble_microbatches, stage_estimate
 
@@ -93,6 +94,17 @@ def _mixed(a: float, pa: Pair, b: float, pb: Pair) -> Pair:
     return Pair((a * pa.sigma + b * pb.sigma) / (a + b), (a * pa.eta + b * pb.eta) / (a + b))
 
 
+def busiest_rank_load(rows: ExpertRows, load: float, ep: int) -> tuple[float, float]:
+    """(expert products, all-to-alls) of the busiest rank, which gets `load` x T K routed rows,
+    over the estimate's: the exact-split dispatcher computes and receives them all; NoSync's
+    fixed blocks travel whole and cap the rows a rank computes at their size."""
+    if ep == 1:
+        return 1.0, 1.0
+    if rows.dispatcher == "no_sync":
+        return min(load, rows.rows / rows.routes), 1.0
+    return load, load
+
+
 def resident_row(
     config: RunConfig, variant: Variant, setting: Setting, layout: Layout, est: Estimate
 ) -> Row:
@@ -100,15 +112,16 @@ def resident_row(
     row's config: `resident_config`)."""
     cluster, pairs = setting.cluster, setting.overlap.pairs
     stage = max(est.stages, key=lambda s: s.microbatch_s)
+    expert_load, a2a_load = busiest_rank_load(est.expert_rows, setting.expert_load, layout.ep)
     if setting.measured:
         compute = measured_compute(config, setting, variant, layout)
     else:
-        roof = roofline_compute(stage, setting.expert_load if layout.ep > 1 else 1.0)
+        roof = roofline_compute(stage, expert_load)
         tokens = layout.micro_batch_size * config.train.seq_len
         index, sync = dispatcher_s(config, setting, variant, layout, tokens)
         compute = dataclasses.replace(roof, memory=roof.memory + index, idle=sync)
-    a2a = stage.microbatch_all_to_all_s
-    sends = stage.microbatch_comm_s - a2a
+    a2a = stage.microbatch_all_to_all_s * a2a_load
+    sends = stage.microbatch_comm_s - stage.microbatch_all_to_all_s
     fb = compute.forward_backward
     busy = paired_s(fb, a2a, pairs["a2a"]) if variant.two_chunk else fb + a2a
     microbatch = busy + sends
@@ -127,7 +140,7 @@ def resident_row(
     reduce_exposed = paired_s(window, reduce, pairs["fsdp_reduce_scatter"]) - window
     m = est.num_microbatches
     bubble = bubble_microbatches(layout) * microbatch
-    memory = resident_memory(config, variant, est)
+    _, memory = resident_memory(config, variant, est)
     return Row(
         variant=variant.name,
         gpu=cluster.gpu.name,
@@ -153,16 +166,14 @@ def resident_row(
     )
 
 
-def resident_memory(config: RunConfig, variant: Variant, est: Estimate) -> Memory:
-    """The peak stage's bytes: ShardedAdamW's (the planner's), or the replicated AdamW's whole
-    master and moments with GradientSync's buffers (accumulate mode: `precision.grad_dtype`)."""
-    memory = est.peak_stage.memory
+def resident_memory(config: RunConfig, variant: Variant, est: Estimate) -> tuple[int, Memory]:
+    """(stage, bytes) of the stage at the peak: ShardedAdamW's buffers (the planner's), or the
+    replicated AdamW's whole master and moments with GradientSync's buffers (accumulate mode:
+    `precision.grad_dtype`), as `run_memory` counts them for the row's config."""
     if variant.sharded_optimizer:
-        return memory
-    b, total = precision_bytes(config), est.peak_stage.params.total
-    return dataclasses.replace(
-        memory, grads=b.grad * total, optimizer=(b.master + b.moments) * total
-    )
+        return est.peak_stage.stage, est.peak_stage.memory
+    stages = [(s.stage, replicated_optimizer(config, s.memory, s.params)) for s in est.stages]
+    return max(stages, key=lambda sm: sm[1].peak)
 
 
 def layout_memory(
@@ -171,7 +182,7 @@ def layout_memory(
     """What a rank of `variant` holds at `layout` (one micro-batch a step), by the rows' memory
     models (bench's multirank memory check)."""
     if variant.fsdp:
-        reduce_bytes = 4 if variant.reduce == "fp32" else 2
+        reduce_bytes = fsdp_reduce_bytes(config, variant)
         return fsdp_memory(
             config,
             layout,
@@ -184,7 +195,13 @@ def layout_memory(
     setting = Setting(cluster=cluster, expert_load=expert_load)
     cfg = resident_config(config, variant, setting, layout.ep)
     tokens = layout.micro_batch_size * config.train.seq_len * layout.dp
-    return resident_memory(config, variant, estimate(cfg, cluster, layout, tokens))
+    return resident_memory(config, variant, estimate(cfg, cluster, layout, tokens))[1]
+
+
+def fsdp_reduce_bytes(config: RunConfig, variant: Variant) -> int:
+    """Bytes of a reduced gradient element: fp32, or for bf16 the parameters' dtype (FSDP2's
+    reduce dtype is then the parameters')."""
+    return 4 if variant.reduce == "fp32" else precision_bytes(config).param
 
 
 def fsdp_row(config: RunConfig, variant: Variant, setting: Setting, layout: Layout) -> Row:
@@ -199,7 +216,7 @@ def fsdp_row(config: RunConfig, variant: Variant, setting: Setting, layout: Layo
     else:  # the planner's update covers 1 / N of the parameters, HSDP's 1 / shard
         roof = roofline_compute(stage_estimate(config, cluster, layout, 0, m), 1.0)
         compute = dataclasses.replace(roof, optimizer=roof.optimizer * gpus / shard)
-    reduce_bytes = 4 if variant.reduce == "fp32" else 2
+    reduce_bytes = fsdp_reduce_bytes(config, variant)
     kw = {"reshard": variant.reshard, "reduce_bytes": reduce_bytes, "shard": shard}
     transfers = fsdp_transfers(config, cluster.links, gpus, **kw)
     fb = compute.forward_backward

@@ -1,6 +1,7 @@
-"""The comparison of resident experts and FSDP2 as text: each variant's best feasible point, the
-answer (which wins, by how much), the reference's own comparison on B300, the compute-scale
-sweep, the assumptions, and the JSON of the whole sweep. Nothing here imports torch.
+"""`moetrain bench --project`'s comparison of resident experts and FSDP2 as text (`moetrain
+plan`'s is plan/answer.py): each variant's best feasible point, the answer (which wins, by how
+much), the reference's own comparison on B300, the compute-scale sweep, the assumptions, and the
+JSON of the whole sweep. Nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ GIB = 2**30
 CHECKPOINTING = ("none", "moe", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 INTERLEAVED_CHUNKS = 2  # model chunks per rank assumed for interleaved_1f1b
+OVERHEAD_GIB = 2.0  # per GPU: CUDA context, library workspaces, communication buffers
 
 
 # ---- hardware --------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ class Cluster:
     attention_efficiency: float = 0.41  # in model FLOPs (6 D S per token and layer)
     latency_us: float = 10.0  # per collective or send
     link_efficiency: float = 0.8  # share of the datasheet link bandwidth collectives reach
-    overhead_gib: float = 2.0  # CUDA context, library workspaces, communication buffers
+    overhead_gib: float = OVERHEAD_GIB
     hbm_tbps: float | None = None  # memory-bound kernels and the optimizer; None: datasheet
     activation_factor: float = 1.0  # kept activations / eager autograd's (a calibration's)
 

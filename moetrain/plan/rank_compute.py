@@ -1,4 +1,4 @@
-"""What the comparison of resident experts and FSDP2 is made of: the layout variants, the
+"""What the rows of resident experts and FSDP2 are made of: the layout variants, the
 setting every row shares, and one rank's compute per micro-batch by kind (`Compute`): from the
 planner's roofline on the row's GPU, or measured (`RankCompute`, bench/measure_rank.py) and
 carried to each point of the sweep and to the row's GPU (docs/plan.md, "Compute"). Nothing here
@@ -158,11 +158,11 @@ def resident_config(config: RunConfig, variant: Variant, setting: Setting, ep: i
     buffers of `expert_load` x T K rows (NoSync's capacity blocks carry the busiest rank's
     load, for the exact-split dispatcher too)."""
     load = setting.expert_load if ep > 1 else None
-    return _with_dispatch(config, variant.dispatch, "no_sync" if load else None, load)
+    return with_dispatch(config, variant.dispatch, "no_sync" if load else None, load)
 
 
 @functools.lru_cache(maxsize=64)
-def _with_dispatch(
+def with_dispatch(
     config: RunConfig, payload: str, dispatcher: str | None, capacity_factor: float | None
 ) -> RunConfig:
     """`config` with precision.dispatch and (unless None) moe.dispatcher and its capacity."""
@@ -196,7 +196,7 @@ def measured_compute(
     cluster = dataclasses.replace(setting.cluster, gpu=GPUS[measured.gpu])
     mb = measured.tokens // config.train.seq_len
     at = dataclasses.replace(layout, micro_batch_size=mb, activation_checkpointing="none", pp=1)
-    base = config if variant.fsdp else _with_dispatch(config, variant.dispatch, "all_to_all", None)
+    base = config if variant.fsdp else with_dispatch(config, variant.dispatch, "all_to_all", None)
     anchor = _roof(base, cluster, at)
     here = config if variant.fsdp else resident_config(config, variant, setting, layout.ep)
     ref = _roof(here, cluster, layout)

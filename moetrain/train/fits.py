@@ -1,7 +1,8 @@
-"""Will this run fit in this machine's memory? The planner's predicted peak
-(`plan.memory.stage_memory`) against the CUDA device's free memory, or on CPU MemAvailable shared
-by this node's processes, checked before any allocation. It errs towards letting a run start; a
-layout the planner cannot model skips the check, and `force` skips it.
+"""Will this run fit in this machine's memory? The planner's predicted peak for the run's
+data-parallel family (`plan.run_memory`, what `moetrain plan` and `--dry-run` print) against the
+CUDA device's free memory, or on CPU MemAvailable shared by this node's processes, checked
+before any allocation. It errs towards letting a run start; a layout the planner cannot model
+skips the check, and `force` skips it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch
 from moetrain.config import RunConfig
 from moetrain.dry_run import layout_from_config, on_device
 from moetrain.parallel.mesh import cuda_device_index, read_launch_env, resolve_backend
-from moetrain.plan.layout import GIB, num_microbatches
-from moetrain.plan.memory import stage_memory
+from moetrain.plan.layout import GIB, OVERHEAD_GIB, num_microbatches
+from moetrain.plan.run_memory import run_memory
 
 
 def predicted_peak(config: RunConfig, world_size: int, device_type: str) -> int:
@@ -25,9 +26,9 @@ def predicted_peak(config: RunConfig, world_size: int, device_type: str) -> int:
     t = config.train
     tokens = t.global_batch_tokens or t.micro_batch_size * t.seq_len * layout.dp
     num_micro = num_microbatches(config, layout, tokens)
-    overhead = 2 * GIB if device_type == "cuda" else GIB // 4
+    overhead = int(OVERHEAD_GIB * GIB) if device_type == "cuda" else GIB // 4
     return max(
-        stage_memory(config, layout, stage, num_micro, overhead=overhead).peak
+        run_memory(config, layout, stage, num_micro, overhead=overhead).peak
         for stage in range(layout.pp)
     )
 
