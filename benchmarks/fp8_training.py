@@ -22,9 +22,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from moetrain.bench.timing import time_steps
 from moetrain.moe.grouped_gemm import FP8RowwiseGroupedGemm
 from moetrain.nn.fp8 import fp8_linear
+from moetrain.tools.bench.timing import time_steps
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -32,8 +32,8 @@ from unittest import mock
 
 import torch
 
-from moetrain.bench.timing import kernel_ms
-from moetrain.presets import get_preset
+from moetrain.config.presets import get_preset
+from moetrain.tools.bench.timing import kernel_ms
 
 PRESETS = ["small", "olmoe8", "scale-E8", "scale-E128"]
 STEP_MS = {"small": 52.2, "olmoe8": 154.1, "scale-E8": 133.2, "scale-E128": 171.6}
@@ -313,7 +313,7 @@ def time_case(case: Case, reps: int) -> tuple[float, float]:
 
 
 def measure_step(preset: str) -> float:
-    from moetrain.bench.harness import bench_moetrain
+    from moetrain.tools.bench.harness import bench_moetrain
 
     return bench_moetrain(get_preset(preset), steps=5).stats["median_ms"]
 

@@ -1,5 +1,5 @@
 """Per-rank peak memory of each compared layout against the planner's model of it
-(moetrain.plan.compare.layout_memory), every rank of a layout on GPU 0.
+(moetrain.tools.plan.compare.layout_memory), every rank of a layout on GPU 0.
 
     python benchmarks/multirank_memory.py --preset ref-47b --layers 2 --micro-batch-size 2 \
         --ranks 2 --layouts resident resident-replicated fsdp2
@@ -9,7 +9,7 @@ and caching allocator, so `torch.cuda.max_memory_allocated` is per rank) with No
 1.25 T K rows, ShardedAdamW or the replicated AdamW. FSDP2 runs --fsdp-ranks ranks (default 1:
 FSDP2 over one rank is not applied, parallel/data.py; the model then holds the whole state and
 no gathered copies, which is what the FSDP2 model predicts at n = 1; its terms in n are the
-arithmetic of plan/fsdp.py). Eager (parallel.compile=false) and without a CUDA graph: the
+arithmetic of tools/plan/fsdp.py). Eager (parallel.compile=false) and without a CUDA graph: the
 activation model counts eager autograd's bytes. Predictions leave out the overhead (CUDA
 context, NCCL buffers), which the allocator does not see. Prints a table; each layout's result
 as soon as it is measured.
@@ -44,11 +44,11 @@ def _rank(rank, world, port, overrides, preset, run_dir, name, device, results):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
     )  # fmt: skip
-    from moetrain.dry_run import layout_from_config
-    from moetrain.plan.compare import layout_memory
-    from moetrain.plan.layout import GPUS, Cluster
-    from moetrain.plan.rank_compute import VARIANTS
-    from moetrain.presets import get_preset
+    from moetrain.config.presets import get_preset
+    from moetrain.tools.dry_run import layout_from_config
+    from moetrain.tools.plan.compare import layout_memory
+    from moetrain.tools.plan.layout import GPUS, Cluster
+    from moetrain.tools.plan.rank_compute import VARIANTS
     from moetrain.train.trainer import Trainer
 
     config = get_preset(preset).with_overrides(overrides)

@@ -48,15 +48,15 @@ from pathlib import Path
 
 import torch
 
-from moetrain.bench.timing import time_steps
 from moetrain.config import RunConfig
+from moetrain.config.presets import get_preset
 from moetrain.model.transformer import Block
 from moetrain.moe.layer import MoELayer
 from moetrain.nn.mlp import SwiGLU
 from moetrain.nn.rope import RotaryEmbedding
 from moetrain.parallel.ep_dispatch import NoSyncDispatcher
 from moetrain.parallel.loopback import LoopbackTransport
-from moetrain.presets import get_preset
+from moetrain.tools.bench.timing import time_steps
 
 STAND_INS = ("sm8", "sm16", "sm24", "sm32", "ce")
 PAIRS = ("a2a", "fsdp_gather", "fsdp_reduce_scatter")

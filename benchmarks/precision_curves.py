@@ -20,7 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from moetrain.presets import get_preset
+from moetrain.config.presets import get_preset
 from moetrain.train.trainer import Trainer
 
 

@@ -10,9 +10,9 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moetrain.bench.harness import warmed_trainer
-from moetrain.bench.phases import classify
-from moetrain.presets import get_preset
+from moetrain.config.presets import get_preset
+from moetrain.tools.bench.harness import warmed_trainer
+from moetrain.tools.bench.phases import classify
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     phases: dict[str, float] = {}
     for name, times in kernels.items():
         phases[classify(name)] = phases.get(classify(name), 0.0) + sum(times)
-    print("by phase (bench/phases.py's rules):")
+    print("by phase (tools/bench/phases.py's rules):")
     for phase, ms in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"{ms:8.2f} ms  {phase}")
 

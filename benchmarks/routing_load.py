@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from moetrain.presets import get_preset
+from moetrain.config.presets import get_preset
 from moetrain.train.trainer import Trainer
 
 

@@ -7,14 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from moetrain.bench.cli import add_bench_parser
 from moetrain.config import RunConfig
-from moetrain.convert.cli import add_convert_parsers
+from moetrain.config.presets import PRESETS, names_field
+from moetrain.config.presets import load_config as layered_config
 from moetrain.data.cli import add_prepare_parser
-from moetrain.plan import add_plan_parser
-from moetrain.plot import add_plot_parser
-from moetrain.presets import PRESETS, names_field
-from moetrain.presets import load_config as layered_config
+from moetrain.tools.bench.cli import add_bench_parser
+from moetrain.tools.convert.cli import add_convert_parsers
+from moetrain.tools.plan import add_plan_parser
+from moetrain.tools.plot import add_plot_parser
 
 DEFAULT_PRESET = "demo"
 
@@ -89,19 +89,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     if args.dry_run:  # builds nothing: --device may name a device this machine lacks
-        from moetrain.dry_run import run_dry_run
+        from moetrain.tools.dry_run import run_dry_run
 
         return run_dry_run(config, args)
     check_device(args.device)
     if args.resume:  # the run's own config.yaml, with the --set changes it allows
-        from moetrain.config_resume import resume_run_config
         from moetrain.data import resolve_data_paths
+        from moetrain.train.resume_config import resume_run_config
 
         args.run_dir = args.run_dir or str(Path("runs") / config.name)
         given = " and ".join(filter(None, [args.preset and f"--preset {args.preset}", args.config]))
         run_dir, overrides = Path(args.run_dir), args.set or []
         config = resume_run_config(run_dir, config, overrides, given, resolve_data_paths)
-    from moetrain.train.fits import check_fits
+    from moetrain.tools.fits import check_fits
 
     check_fits(config, args.device, force=args.force)
     trainer = Trainer(
@@ -153,7 +153,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from moetrain.checkpoint.manager import resolve
-    from moetrain.inference import checkpoint_tokenizer, generate, load_model
+    from moetrain.checkpoint.trained_model import checkpoint_tokenizer, load_model
+    from moetrain.tools.generate import generate
 
     check_device(args.device)
     path = resolve(args.checkpoint)
@@ -224,7 +225,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     """Print a complete config YAML: a starting point to edit, or what a YAML resolves to."""
     import yaml
 
-    from moetrain.presets import yaml_chain
+    from moetrain.config.presets import yaml_chain
 
     config = load_config(args)
     base = args.preset or (None if args.config else DEFAULT_PRESET)

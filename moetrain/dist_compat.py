@@ -1,4 +1,5 @@
-"""torch.distributed calls whose names changed between the torch versions moetrain supports.
+"""torch.distributed helpers below every layer that communicates (optim, parallel, checkpoint):
+the calls whose names changed between the torch versions moetrain supports, and group sizes.
 
 torch 2.13 added `all_gather_single` and `reduce_scatter_single` for the flat collectives that
 torch 2.11 and 2.12 only have as `all_gather_into_tensor` and `reduce_scatter_tensor`; among the
@@ -50,3 +51,8 @@ def functional_all_gather(inp: torch.Tensor, gather_dim: int, group: ProcessGrou
     collective: a new tensor, traceable by torch.compile."""
     name = "all_gather_single" if hasattr(funcol, "all_gather_single") else "all_gather_tensor"
     return funcol.wait_tensor(getattr(funcol, name)(inp, gather_dim, group))
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in `group`; None stands for no group (one process)."""
+    return 1 if group is None else dist.get_world_size(group)

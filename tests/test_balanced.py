@@ -4,14 +4,14 @@ projection: exactly one rank's expert parameters and rows."""
 import pytest
 import torch
 
-from moetrain import plan as P
-from moetrain.bench.balanced import BalancedDispatcher
-from moetrain.bench.measure_rank import rank_transform
+from moetrain.config.presets import tiny
 from moetrain.model.transformer import Transformer
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.router import TopKRouter
-from moetrain.plan.rank_compute import rank_model_params
-from moetrain.presets import tiny
+from moetrain.tools import plan as P
+from moetrain.tools.bench.balanced import BalancedDispatcher
+from moetrain.tools.bench.measure_rank import rank_transform
+from moetrain.tools.plan.rank_compute import rank_model_params
 
 
 @pytest.mark.parametrize(("num_local", "top_k"), [(3, 2), (1, 4), (4, 4)])

@@ -3,10 +3,10 @@ the profiler post-processing (pure functions)."""
 
 import json
 
-from moetrain import presets
-from moetrain.bench.harness import warmed_trainer
-from moetrain.bench.phases import classify, idle_gaps
 from moetrain.cli import main
+from moetrain.config import presets
+from moetrain.tools.bench.harness import warmed_trainer
+from moetrain.tools.bench.phases import classify, idle_gaps
 
 
 def test_bench_on_cpu_times_real_steps_and_writes_json_and_markdown(tmp_path, capsys):
@@ -81,7 +81,7 @@ def test_kernel_names_map_to_phases():
 
 
 def test_kernel_ms_on_cpu_warms_up_with_prep_then_times_one_call():
-    from moetrain.bench.timing import kernel_ms
+    from moetrain.tools.bench.timing import kernel_ms
 
     calls = []
     ms = kernel_ms(lambda: calls.append("fn"), warmup=2, prep=lambda: calls.append("prep"))

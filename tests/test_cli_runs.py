@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from moetrain.cli import main
+from moetrain.config.presets import tiny
 from moetrain.data import resolve_data_paths
 from moetrain.data.tokenizer_files import byte_tokenizer_json
-from moetrain.presets import tiny
 from moetrain.train.trainer import Trainer
 
 RUN = ["--set", "train.steps=2", "--set", "train.log_every=1", "--set", "train.eval_every=0"]

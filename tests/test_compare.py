@@ -1,4 +1,4 @@
-"""Resident experts against FSDP2 (moetrain/plan/compare.py and its parts) against hand
+"""Resident experts against FSDP2 (moetrain/tools/plan/compare.py and its parts) against hand
 arithmetic: overlap pairs, compute scaled per kind, FSDP2's transfers and memory per mode, the
 expert load, the micro-batch sweep and what it rejects for memory, the reference's row, and
 `moetrain plan` beyond a node."""
@@ -8,22 +8,22 @@ import json
 
 import pytest
 
-from moetrain import plan as P
-from moetrain.plan import compare as C
-from moetrain.plan import compare_report as R
-from moetrain.plan import overlap as O
-from moetrain.plan.fsdp import fsdp_memory, fsdp_transfers
-from moetrain.plan.links import Links
-from moetrain.plan.rank_compute import (
+from moetrain.config.presets import get_preset
+from moetrain.tools import plan as P
+from moetrain.tools.plan import compare as C
+from moetrain.tools.plan import compare_report as R
+from moetrain.tools.plan import overlap as O
+from moetrain.tools.plan.fsdp import fsdp_memory, fsdp_transfers
+from moetrain.tools.plan.links import Links
+from moetrain.tools.plan.rank_compute import (
     GLOBAL_BATCH_TOKENS as GLOBAL,
 )
-from moetrain.plan.rank_compute import (
+from moetrain.tools.plan.rank_compute import (
     VARIANTS,
     RankCompute,
     Setting,
     measured_compute,
 )
-from moetrain.presets import get_preset
 
 REF = get_preset("ref-47b")  # 20 MoE blocks, seq 4096, 128 experts, top-4
 

@@ -3,7 +3,7 @@ import re
 import pytest
 
 from moetrain.config import RunConfig
-from moetrain.presets import PRESETS, get_preset, tiny
+from moetrain.config.presets import PRESETS, get_preset, tiny
 
 BAD_VALUES = [
     ("model.vocab_size=0", "model.vocab_size"),

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from moetrain.config import SECTION_TYPES, MoEConfig
-from moetrain.config_fields import ANY, FORMATS, frozen, missing_declarations, resumable
-from moetrain.config_resume import check_resumable
-from moetrain.convert import hf
-from moetrain.presets import tiny
+from moetrain.config.fields import ANY, FORMATS, frozen, missing_declarations, resumable
+from moetrain.config.presets import tiny
+from moetrain.tools.convert import hf
+from moetrain.train.resume_config import check_resumable
 
 
 def test_every_field_of_every_section_declares_its_resume_and_export_rules():

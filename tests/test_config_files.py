@@ -9,8 +9,8 @@ import yaml
 
 from moetrain.cli import main
 from moetrain.config import RunConfig
-from moetrain.presets import load_config, tiny
-from moetrain.train import fits
+from moetrain.config.presets import load_config, tiny
+from moetrain.tools import fits
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_run.yaml"
 

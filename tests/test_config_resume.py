@@ -9,11 +9,11 @@ import yaml
 
 from moetrain.checkpoint import manager
 from moetrain.cli import main
-from moetrain.config_resume import check_resumable, is_frozen, resume_run_config
+from moetrain.config.presets import tiny
 from moetrain.data import resolve_data_paths
 from moetrain.data.tokenizer_files import byte_tokenizer_json
-from moetrain.presets import tiny
 from moetrain.train.resume import check_resume
+from moetrain.train.resume_config import check_resumable, is_frozen, resume_run_config
 
 
 def test_frozen_and_free_fields(tmp_path):

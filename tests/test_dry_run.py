@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain import plan as P
 from moetrain.cli import build_parser
-from moetrain.dry_run import (
+from moetrain.config.presets import get_preset
+from moetrain.model.flops import param_counts
+from moetrain.tools import plan as P
+from moetrain.tools.dry_run import (
     build_rank_model,
     dry_run,
     layout_from_config,
     run_dry_run,
 )
-from moetrain.model.flops import param_counts
-from moetrain.presets import get_preset
 
 
 def _rss_bytes() -> int:
@@ -142,7 +142,7 @@ def test_the_dry_run_lists_the_parameters_a_run_on_the_device_has(tmp_cache, tmp
     """precision.param_dtype auto: the CPU trains in fp32 and the dry run there says so, with
     the Trainer's parameter bytes; `--device cuda` shows a GPU run's bf16 on any machine."""
     from moetrain.cli import main
-    from moetrain.dry_run import on_device
+    from moetrain.tools.dry_run import on_device
     from moetrain.train.trainer import Trainer
 
     config = get_preset("tiny")

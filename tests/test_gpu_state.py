@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from moetrain.bench.gpu_state import (
+from moetrain.tools.bench.gpu_state import (
     GpuStateSampler,
     Sample,
     describe,

@@ -1,4 +1,5 @@
-"""moetrain's modules import each other without a circle, and stay within the size rule.
+"""moetrain's modules import each other without a circle and only downwards through the layers
+(the runtime never imports a tool), and stay within the size rule.
 
 The graph is read from the source (ast), not by importing: every `import` and `from ... import`
 of a moetrain module, in function bodies too (a lazy import that closes a circle still ties two
@@ -96,3 +97,58 @@ def test_the_check_finds_a_circle():
 def test_no_module_over_500_lines():
     long = {module_name(p): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}  # fmt: skip
     assert long == {}
+
+
+# The layers, lowest first: a module imports only modules of its own layer or lower ones. The
+# training runtime (everything below `moetrain.tools`) never imports a tool.
+LAYERS = [
+    ("moetrain.config", "moetrain.kernels", "moetrain.dist_compat", "moetrain.faults"),
+    ("moetrain.nn", "moetrain.data"),
+    ("moetrain.moe",),
+    ("moetrain.model",),
+    ("moetrain.optim",),
+    ("moetrain.parallel",),
+    ("moetrain.checkpoint",),
+    ("moetrain.train",),
+    ("moetrain.tools",),
+    ("moetrain.cli", "moetrain.__main__", "moetrain"),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a module's longest matching prefix."""
+    matches = [
+        (len(prefix), i)
+        for i, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert matches, f"{module} belongs to no layer: add it to LAYERS"
+    return max(matches)[1]
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a lower layer to a higher one (within a layer, the circle test rules)."""
+    return [
+        f"{module} -> {other}"
+        for module, imported in sorted(graph.items())
+        for other in sorted(imported)
+        if layer_of(other) > layer_of(module)
+    ]
+
+
+def test_no_arrow_from_a_lower_layer_to_a_higher_one():
+    assert upward_arrows(import_graph()) == []
+
+
+def test_the_check_finds_an_upward_arrow():
+    graph = {
+        "moetrain.nn.norm": {"moetrain.kernels.topk"},
+        "moetrain.optim.sharded": {"moetrain.parallel.comm"},
+        "moetrain.train.fits": {"moetrain.tools.plan.memory"},
+        "moetrain.data.tasks": {"moetrain.nn.norm", "moetrain.config.presets"},
+    }
+    assert upward_arrows(graph) == [
+        "moetrain.optim.sharded -> moetrain.parallel.comm",
+        "moetrain.train.fits -> moetrain.tools.plan.memory",
+    ]

@@ -1,8 +1,8 @@
-"""The link model (moetrain/plan/links.py) against hand arithmetic."""
+"""The link model (moetrain/tools/plan/links.py) against hand arithmetic."""
 
 import pytest
 
-from moetrain.plan.links import Links, split_all_to_all, split_collective
+from moetrain.tools.plan.links import Links, split_all_to_all, split_collective
 
 GB = 1e9
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain import plan as P
-from moetrain.dry_run import build_rank_model
+from moetrain.config.presets import PRESETS, get_preset, tiny
 from moetrain.model.flops import param_counts
 from moetrain.optim.buckets import SHARD_ALIGN
 from moetrain.optim.param_groups import build_param_groups, param_kind
 from moetrain.optim.sharded import ShardedAdamW
 from moetrain.parallel.parallelize import apply_activation_checkpointing
-from moetrain.presets import PRESETS, get_preset, tiny
+from moetrain.tools import plan as P
+from moetrain.tools.dry_run import build_rank_model
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "plan.md"
 
@@ -352,9 +352,9 @@ def test_trillion_preset_matches_the_reference_totals():
 
 
 def test_trillion_plan_on_512_b300_fits_and_is_the_number_in_the_docs():
-    from moetrain.plan.overlap import overlap_from
-    from moetrain.plan.rank_compute import Setting
-    from moetrain.plan.ranking import rank
+    from moetrain.tools.plan.overlap import overlap_from
+    from moetrain.tools.plan.rank_compute import Setting
+    from moetrain.tools.plan.ranking import rank
 
     config = get_preset("trillion-1.2t")
     cluster = P.Cluster(gpu=P.GPUS["b300"], num_gpus=512)
@@ -406,7 +406,7 @@ def test_planner_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, moetrain.plan; assert 'torch' not in sys.modules"
+    code = "import sys, moetrain.tools.plan; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -416,7 +416,7 @@ def test_fp8_linears_move_the_projections_to_the_fp8_rate(dense_layers):
     and dense SwiGLUs, and nothing else, run at the FP8 rate (their weight gradient stays bf16):
     the product time falls by exactly two thirds of their FLOPs times the difference of the
     two rates' reciprocals."""
-    from moetrain.plan.timing import _matmul_parts
+    from moetrain.tools.plan.timing import _matmul_parts
 
     config = get_preset("olmoe8").with_overrides([f"model.num_dense_layers={dense_layers}"])
     fp8 = config.with_overrides(["precision.linear=fp8_rowwise"])
@@ -446,7 +446,7 @@ def test_fp8_experts_move_forward_and_input_gradient_to_the_fp8_rate(checkpointi
     """precision.experts=fp8_rowwise: two thirds of the expert FLOPs (and a recomputed forward)
     at the FP8 rate, the weight gradient's third at the bf16 grouped rate; the quantizations'
     bytes join the elementwise time."""
-    from moetrain.plan.timing import _elementwise_s, _fp8_quantization_bytes, _matmul_parts
+    from moetrain.tools.plan.timing import _elementwise_s, _fp8_quantization_bytes, _matmul_parts
 
     config = get_preset("olmoe8")
     fp8 = config.with_overrides(["precision.experts=fp8_rowwise"])
@@ -483,7 +483,7 @@ def test_fp8_experts_move_forward_and_input_gradient_to_the_fp8_rate(checkpointi
 def test_fp8_lm_head_moves_the_head_to_the_fp8_rate_on_the_last_stage(pp):
     """precision.lm_head=fp8_rowwise: two thirds of the head's 6 V D FLOPs a token at the FP8
     rate, on the last pipeline stage only, with its quantizations' bytes there."""
-    from moetrain.plan.timing import _fp8_quantization_bytes, _matmul_parts
+    from moetrain.tools.plan.timing import _fp8_quantization_bytes, _matmul_parts
 
     config = get_preset("olmoe8")
     fp8 = config.with_overrides(["precision.lm_head=fp8_rowwise"])

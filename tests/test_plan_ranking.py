@@ -1,4 +1,4 @@
-"""`moetrain plan`'s one ranking (plan/ranking.py, plan/answer.py): every layout family in one
+"""`moetrain plan`'s one ranking (tools/plan/ranking.py, tools/plan/answer.py): every layout family in one
 table at one stated global batch, each row a config `moetrain train` accepts, and the best row's
 command, whose dry run prints the planned memory. The acceptance question of issue 50: 2 nodes
 of 8 H100 80GB, olmoe-1b-7b, resident experts or FSDP2?"""
@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from moetrain import cli
-from moetrain import plan as P
-from moetrain.dry_run import dry_run, layout_from_config
+from moetrain.config.presets import get_preset
 from moetrain.parallel.expert import _check_two_chunk_capacity, resolve_dispatcher
-from moetrain.plan import answer
-from moetrain.plan.overlap import ASSUMED, Overlap, Pair
-from moetrain.plan.rank_compute import GLOBAL_BATCH_TOKENS, Setting
-from moetrain.plan.ranking import rank
-from moetrain.plan.run_memory import run_memory
-from moetrain.presets import get_preset
-from moetrain.train import fits
+from moetrain.tools import fits
+from moetrain.tools import plan as P
+from moetrain.tools.dry_run import dry_run, layout_from_config
+from moetrain.tools.plan import answer
+from moetrain.tools.plan.overlap import ASSUMED, Overlap, Pair
+from moetrain.tools.plan.rank_compute import GLOBAL_BATCH_TOKENS, Setting
+from moetrain.tools.plan.ranking import rank
+from moetrain.tools.plan.run_memory import run_memory
 
 QUESTION = ["plan", "--preset", "olmoe-1b-7b", "--gpus", "16", "--gpu", "h100"]
 H100S = P.Cluster(gpu=P.GPUS["h100"], num_gpus=16)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moetrain.plot import _nested, add_plot_parser, plot_run
+from moetrain.tools.plot import _nested, add_plot_parser, plot_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from moetrain import plan as P
-from moetrain.bench.measure_rank import extrapolate
-from moetrain.bench.timing import steady_rate, sustained_matmul
 from moetrain.cli import main
+from moetrain.config.presets import get_preset
 from moetrain.model.flops import param_counts
-from moetrain.plan import calibration as cal
-from moetrain.plan.links import Links
-from moetrain.plan.rank_compute import FSDP, RESIDENT, rank_experts
-from moetrain.presets import get_preset
+from moetrain.tools import plan as P
+from moetrain.tools.bench.measure_rank import extrapolate
+from moetrain.tools.bench.timing import steady_rate, sustained_matmul
+from moetrain.tools.plan import calibration as cal
+from moetrain.tools.plan.links import Links
+from moetrain.tools.plan.rank_compute import FSDP, RESIDENT, rank_experts
 
 LINKS = Links(nvlink_gbps=450, internode_gbps=50, latency_us=0)
 
@@ -159,7 +159,7 @@ def test_bench_project_runs_end_to_end_on_cpu(tmp_path, capsys):
 
 
 def test_a_deep_model_is_timed_at_two_depths_and_extrapolated():
-    from moetrain.bench.measure_rank import measure_rank
+    from moetrain.tools.bench.measure_rank import measure_rank
 
     config = get_preset("tiny").with_overrides(["model.num_layers=4"])
     measured, runs = measure_rank(config, 2, depths=(1, 2), steps=1, warmup=1, device="cpu")
@@ -169,7 +169,7 @@ def test_a_deep_model_is_timed_at_two_depths_and_extrapolated():
 
 
 def test_calibration_check_plans_and_times_a_preset_on_cpu():
-    from moetrain.bench.calibrate import CHECK_HEADER, check
+    from moetrain.tools.bench.calibrate import CHECK_HEADER, check
 
     result = check(get_preset("tiny"), _calibration(), steps=1, warmup=1, device="cpu")
     assert result.preset == "tiny" and result.predicted_ms > 0 and result.measured_ms > 0

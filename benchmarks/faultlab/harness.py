@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetrain.checkpoint import manager
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.observe import read_metrics
 from moetrain.train.trainer import Trainer
 

@@ -16,7 +16,7 @@ from unittest import mock
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 from moetrain.checkpoint import manager
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.trainer import Trainer
 
 from .harness import BASE, Outcome, error_of, flip_a_byte, lost_steps, train_tiny

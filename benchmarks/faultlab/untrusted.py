@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from moetrain.checkpoint import manager
-from moetrain.convert.io import export_checkpoint
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
+from moetrain.tools.convert.io import export_checkpoint
 from moetrain.train.trainer import Trainer
 
 from .harness import Outcome, error_of, train_tiny

@@ -22,13 +22,12 @@ import numpy as np
 import torch
 
 from moetrain.config import DataConfig, RunConfig
+from moetrain.config.files import same_files, tokenizer_file
 from moetrain.data.corpus import embedded_corpus
 from moetrain.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     load_tokenizer,
-    same_files,
-    tokenizer_file,
 )
 from moetrain.data.tokens import fingerprint, load_dir_tokenizer, load_split, read_meta
 

@@ -11,12 +11,13 @@ or a path) into a tokenizer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
+from moetrain.config.files import tokenizer_file
 
 # Token names tried, in order, when the tokenizer does not say which token ends a sequence.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]")
@@ -130,16 +131,3 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     if spec == "byte":
         return ByteTokenizer()
     return HFTokenizer(tokenizer_file(spec), name=spec)
-
-
-def tokenizer_file(spec: str | Path) -> Path:
-    """The tokenizer.json a path names: the file itself, or the one in the directory."""
-    path = Path(spec)
-    return path / "tokenizer.json" if path.is_dir() else path
-
-
-def same_files(*files: Path) -> bool:
-    """Whether the files all exist and hold the same bytes (a tokenizer named by two paths)."""
-    if not all(f.is_file() for f in files):
-        return False
-    return len({hashlib.sha256(f.read_bytes()).digest() for f in files}) == 1

@@ -1,6 +1,6 @@
 """Dropless or capacity mode: which dispatcher `moe.dispatcher: auto` picks, and how many rows a
 rank's expert buffers hold. Host integer arithmetic, shared by the expert-parallel dispatchers
-(`moetrain.parallel`) and the planner (`moetrain.plan`, which must not import torch).
+(`moetrain.parallel`) and the planner (`moetrain.tools.plan`, which must not import torch).
 
 Letters: T tokens of one rank's micro-batch, K top-k, E global experts, G ranks of the
 expert-parallel group, e = E / G local experts, cf = moe.capacity_factor.

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from moetrain.dist_compat import group_size
 from moetrain.optim.clip import EXPERT
 from moetrain.optim.grad_buckets import GradBucket, split_into_buckets
-from moetrain.parallel.comm import group_size
 
 SHARD_ALIGN = 64  # shard sizes are multiples of this many elements (aligned collective chunks)
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from moetrain.dist_compat import all_gather_flat, reduce_scatter_flat
+from moetrain.dist_compat import all_gather_flat, group_size, reduce_scatter_flat
 from moetrain.moe.experts import GroupedExperts
 from moetrain.optim.buckets import (
     Bucket,
@@ -34,7 +34,6 @@ from moetrain.optim.buckets import (
 from moetrain.optim.clip import EXPERT, clip_coefficient
 from moetrain.optim.grad_buckets import BucketedGrads
 from moetrain.optim.sharded_state import ShardState, copy_chunks, shard_state
-from moetrain.parallel.comm import group_size
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -22,12 +22,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
-from moetrain.dist_compat import all_gather_flat, functional_all_gather
+from moetrain.dist_compat import all_gather_flat, functional_all_gather, group_size
 from moetrain.moe.payload import check_payload, decode_fp8_rows, encode_fp8_rows
-
-
-def group_size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 @torch.compiler.disable

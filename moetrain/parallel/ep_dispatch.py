@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 from torch.distributed import ProcessGroup
 
+from moetrain.dist_compat import group_size
 from moetrain.moe.balance import count_tokens_per_expert
 from moetrain.moe.capacity import no_sync_capacities
 from moetrain.moe.dispatch import (
@@ -42,7 +43,6 @@ from moetrain.parallel.comm import (
     all_to_all,
     all_to_all_counts,
     exchange_blocks,
-    group_size,
     traceable,
 )
 

@@ -27,10 +27,10 @@ from torch.distributed.pipelining import (
 )
 
 from moetrain.config import RunConfig
+from moetrain.model.stages import INTERLEAVED_CHUNKS, stage_layer_ranges
 from moetrain.model.transformer import Transformer
 from moetrain.moe.layer import MoELayer
 from moetrain.parallel.mesh import ParallelDims
-from moetrain.plan.layout import INTERLEAVED_CHUNKS, stage_layer_ranges
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

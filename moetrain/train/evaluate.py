@@ -213,7 +213,7 @@ def evaluate_checkpoint(
     """`moetrain eval`: by default what the run's own evaluations score (its val split, eval sets
     and tasks, from the checkpoint's config); `data`: both splits of that token directory
     instead; `tasks` replaces the config's tasks. The result names what it scored."""
-    from moetrain.inference import checkpoint_tokenizer, load_model
+    from moetrain.checkpoint.trained_model import checkpoint_tokenizer, load_model
 
     path = manager.resolve(checkpoint)
     model, config = load_model(path, device)

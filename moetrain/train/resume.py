@@ -11,9 +11,9 @@ from pathlib import Path
 
 from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
-from moetrain.config_resume import check_resumable
 from moetrain.data import resolve_data_paths
 from moetrain.optim.schedule import lr_change
+from moetrain.train.resume_config import check_resumable
 
 
 def check_resume(

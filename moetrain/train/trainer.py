@@ -77,7 +77,7 @@ class Trainer:
         allow_lr_increase: bool = False,
     ) -> None:
         """`model_transform` changes the parallelized model before it is materialized (on meta;
-        with FSDP after), as bench/measure_rank.py does. `allow_lr_increase` lets a resume whose
+        with FSDP after), as tools/bench/measure_rank.py does. `allow_lr_increase` lets a resume whose
         changed schedule raises the LR go on (`optim.schedule.lr_change`)."""
         # data paths made absolute; unset vocab_size and eos_id: from the tokenizer
         config = resolve_eos_id(resolve_vocab_size(resolve_data_paths(config)))
@@ -455,7 +455,7 @@ class Trainer:
     def load_checkpoint(self, path: str | Path, *, verified: bool = False) -> None:
         """Resume from `path` (its files' hashes checked unless `verified` already). Its
         config.yaml must agree with this run's on the architecture and the data
-        (moetrain/config_resume.py); anything else may have changed."""
+        (moetrain/train/resume_config.py); anything else may have changed."""
         check_resume(Path(path), self.config, self.allow_lr_increase, self.is_main)
         optim = self.optimizer.state_dict()
         state = self.tensor_state(optim)

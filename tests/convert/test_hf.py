@@ -21,18 +21,18 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from moetrain.checkpoint import manager  # noqa: E402
 from moetrain.cli import main  # noqa: E402
 from moetrain.config import RunConfig  # noqa: E402
-from moetrain.config_fields import Only, rules_of, unexportable  # noqa: E402
-from moetrain.convert import hf  # noqa: E402
-from moetrain.convert.cli import add_convert_parsers, parse_size  # noqa: E402
-from moetrain.convert.io import (  # noqa: E402
+from moetrain.config.fields import Only, rules_of, unexportable  # noqa: E402
+from moetrain.config.presets import tiny  # noqa: E402
+from moetrain.model.transformer import build_model  # noqa: E402
+from moetrain.tools.convert import hf  # noqa: E402
+from moetrain.tools.convert.cli import add_convert_parsers, parse_size  # noqa: E402
+from moetrain.tools.convert.io import (  # noqa: E402
     INDEX_FILE,
     SINGLE_FILE,
     export_checkpoint,
     import_hf,
     load_model_weights,
 )
-from moetrain.model.transformer import build_model  # noqa: E402
-from moetrain.presets import tiny  # noqa: E402
 
 
 def random_model(config: RunConfig, seed: int = 0, dtype: torch.dtype = torch.float32):

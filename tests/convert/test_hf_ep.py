@@ -11,9 +11,9 @@ pytest.importorskip("safetensors.torch")
 
 from conftest import run_distributed  # noqa: E402
 
-from moetrain.convert.io import export_checkpoint, import_hf  # noqa: E402
+from moetrain.config.presets import tiny  # noqa: E402
 from moetrain.model.transformer import build_model  # noqa: E402
-from moetrain.presets import tiny  # noqa: E402
+from moetrain.tools.convert.io import export_checkpoint, import_hf  # noqa: E402
 
 OVERRIDES = ["train.steps=2", "train.eval_every=0", "train.log_every=1", "parallel.compile=false"]
 
@@ -38,7 +38,7 @@ def test_export_of_an_ep2_checkpoint(tmp_path):
     checkpoint = run / "checkpoints" / "step-2"
     hf_dir = export_checkpoint(checkpoint, tmp_path / "hf")
 
-    from moetrain.inference import load_model
+    from moetrain.checkpoint.trained_model import load_model
 
     model, config = load_model(checkpoint)  # the ep=2 checkpoint loaded at world size 1
     assert model.blocks["1"].ffn.experts.w_down_eFD.shape[0] == config.moe.num_experts

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moetrain.config import DataConfig, DataSource
+from moetrain.config.presets import tiny
 from moetrain.data import MixedLoader, open_data, prepare, resolve_vocab_size, source_labels
 from moetrain.data.loader import data_fingerprint
-from moetrain.presets import tiny
 
 SEQ = 8
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from moetrain.config.presets import small
 from moetrain.moe.experts import grouped_mm, grouped_mm_reference
-from moetrain.presets import small
 
 pytestmark = pytest.mark.gpu
 
@@ -103,7 +103,7 @@ def test_graphed_run_with_eval_checkpoints_and_resume_matches_uninterrupted(tmp_
     deterministic)."""
     import json
 
-    from moetrain.presets import tiny
+    from moetrain.config.presets import tiny
     from moetrain.train.trainer import Trainer
 
     def cfg(steps):

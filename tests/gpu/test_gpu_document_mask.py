@@ -5,8 +5,8 @@ without a host sync."""
 import pytest
 import torch
 
+from moetrain.config.presets import small
 from moetrain.nn.document_mask import DocumentMask
-from moetrain.presets import small
 
 pytestmark = pytest.mark.gpu
 

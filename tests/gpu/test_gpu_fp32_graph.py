@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.graph import StepGraph
 from moetrain.train.trainer import Trainer
 

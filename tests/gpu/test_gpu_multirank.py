@@ -57,7 +57,7 @@ def _base(preset: str, world: int) -> list[str]:
 
 
 def _config(preset: str, overrides: list[str]):
-    from moetrain.presets import get_preset
+    from moetrain.config.presets import get_preset
 
     return get_preset(preset).with_overrides(overrides)
 

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from moetrain.cli import main
-from moetrain.plan import calibration as cal
-from moetrain.plan.rank_compute import FSDP, RESIDENT
+from moetrain.tools.plan import calibration as cal
+from moetrain.tools.plan.rank_compute import FSDP, RESIDENT
 
 pytestmark = pytest.mark.gpu
 

@@ -1,8 +1,8 @@
 import torch
 
+from moetrain.config.presets import small, tiny
 from moetrain.model.flops import flops_per_token, param_counts
 from moetrain.model.transformer import Transformer, build_model
-from moetrain.presets import small, tiny
 
 
 def test_small_counts_equal_reference_numbers():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from conftest import run_distributed
 from torch import nn
 
-from moetrain import presets
+from moetrain.config import presets
 from moetrain.model.transformer import build_model
 from moetrain.optim.clip import clip_grad_norm_, global_grad_norm, params_with_kinds
 from moetrain.optim.param_groups import build_param_groups

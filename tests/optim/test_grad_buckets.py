@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from moetrain.config.presets import tiny
 from moetrain.optim.grad_buckets import BucketedGrads, GradBucket, split_into_buckets
 from moetrain.optim.sharded import ShardedAdamW
 from moetrain.parallel.data import GradientSync
-from moetrain.presets import tiny
 from moetrain.train.trainer import Trainer
 
 

@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from moetrain import presets
-from moetrain.config import TrainConfig
+from moetrain.config import TrainConfig, presets
 from moetrain.model.transformer import Transformer
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.schedule import lr_at, lr_change

@@ -25,9 +25,8 @@ from conftest import run_distributed
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from moetrain import presets
 from moetrain.checkpoint import manager
-from moetrain.config import RunConfig
+from moetrain.config import RunConfig, presets
 from moetrain.dist_compat import all_gather_flat_name, reduce_scatter_flat_name
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.optim.buckets import SHARD_ALIGN

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from conftest import run_distributed
 
+from moetrain.config.presets import tiny
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel import init_distributed, parallelize
-from moetrain.presets import tiny
 from moetrain.train.step import forward_backward
 
 OVERRIDES = [

@@ -14,8 +14,8 @@ from conftest import run_distributed
 from torch import nn
 
 from moetrain.config import ParallelConfig
+from moetrain.config.presets import tiny
 from moetrain.parallel import GradientSync, init_distributed
-from moetrain.presets import tiny
 from moetrain.train.build import resolve_grad_dtype
 
 MICRO = 8

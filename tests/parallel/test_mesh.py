@@ -10,9 +10,9 @@ from conftest import run_distributed
 
 import moetrain.parallel.mesh as mesh_module
 from moetrain.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig
+from moetrain.config.presets import tiny
 from moetrain.parallel import all_reduce_stats, init_distributed
 from moetrain.parallel.mesh import read_launch_env, validate_layout
-from moetrain.presets import tiny
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 

@@ -32,11 +32,11 @@ from moetrain.config import (
     RunConfig,
     TrainConfig,
 )
+from moetrain.config.presets import get_preset
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel import init_distributed, parallelize
 from moetrain.parallel.ep_dispatch import NoSyncDispatcher
 from moetrain.parallel.loopback import LoopbackTransport
-from moetrain.presets import get_preset
 
 pytestmark = pytest.mark.distributed
 

@@ -29,6 +29,7 @@ from moetrain.config import (
     RunConfig,
     TrainConfig,
 )
+from moetrain.config.presets import tiny
 from moetrain.data.heldout import WindowRows
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.optim.clip import global_grad_norm, params_with_kinds
@@ -41,7 +42,6 @@ from moetrain.parallel import (
     parallelize,
 )
 from moetrain.parallel.pipeline import Pipeline, pipeline_layout, split_model
-from moetrain.presets import tiny
 from moetrain.train.evaluate import score_rows
 
 pytestmark = pytest.mark.distributed

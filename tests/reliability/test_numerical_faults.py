@@ -11,7 +11,7 @@ import torch
 from _bench import harness, numerical
 from conftest import run_distributed
 
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.spike import LossSpikeDetector
 
 

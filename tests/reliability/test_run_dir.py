@@ -13,7 +13,7 @@ from _bench import harness, run_dirs
 
 from moetrain import cli
 from moetrain.checkpoint import manager
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.run_lock import LOCK_FILE, RunDirLocked, RunLock
 from moetrain.train.trainer import Trainer, TrainingStopped
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.build import resolve_param_dtype
 
 

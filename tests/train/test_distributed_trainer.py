@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import run_distributed, two_source_mix
 
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 
 pytestmark = pytest.mark.distributed
 

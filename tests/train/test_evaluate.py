@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import run_distributed, two_source_mix
 
+from moetrain.config.presets import tiny
 from moetrain.data import ByteTokenizer, open_data, prepare
 from moetrain.data.heldout import WindowRows, heldout_windows, open_eval_set
 from moetrain.data.tasks import Task, TaskRows, continuation_task, read_task
 from moetrain.model.transformer import build_model
-from moetrain.presets import tiny
 from moetrain.train.evaluate import Evaluator, score_rows
 
 SEQ = 64

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from conftest import run_distributed
 from torch.distributed.tensor import DTensor
 
+from moetrain.config.presets import tiny
 from moetrain.parallel.expert import is_expert_param
-from moetrain.presets import tiny
 from moetrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.distributed

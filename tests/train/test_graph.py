@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.graph import StepGraph
 
 CUDA = torch.device("cuda")

@@ -14,7 +14,7 @@ from conftest import two_source_mix
 
 from moetrain.checkpoint import manager
 from moetrain.cli import main
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.trainer import Trainer, TrainingStopped
 
 

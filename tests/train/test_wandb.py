@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from moetrain.presets import tiny
+from moetrain.config.presets import tiny
 from moetrain.train.observe import scalar_tags
 from moetrain.train.trainer import Trainer
 from moetrain.train.wandb_log import default_mode
