@@ -15,6 +15,7 @@ from moetrain.optim.adamw import AdamW
 from moetrain.optim.clip import global_grad_norm, params_with_kinds
 from moetrain.optim.muon import Muon, MuonSettings
 from moetrain.optim.muon_params import split_param_groups
+from moetrain.optim.muon_sharded import build_sharded_muon
 from moetrain.parallel.data import GradientSync
 from moetrain.parallel.mesh import ParallelDims
 
@@ -36,8 +37,6 @@ def build_muon(
     settings = MuonSettings.from_config(t)
     muon_groups, adamw_groups = split_param_groups(param_groups)
     if t.optimizer == "muon_sharded":
-        from moetrain.optim.muon_sharded import build_sharded_muon
-
         return build_sharded_muon(
             model, config, dims, muon_groups, adamw_groups, settings, grad_dtype=grad_dtype
         )
