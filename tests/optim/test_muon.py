@@ -286,3 +286,40 @@ def test_settings_reach_the_optimizer():
     )
     optimizer = build_optimizer(build_model(config), config, ParallelDims(local_rank=0, device=torch.device("cpu")))  # fmt: skip
     assert optimizer.settings.ns_dtype == torch.float32 and optimizer.settings.ns_steps == 3
+
+
+def test_whole_matrix_layout_partitions_and_balances():
+    """The sharded Muon's buckets at every group size: each dense matrix whole on exactly one
+    rank, inside that rank's region, FLOPs balanced to within the largest matrix (greedy LPT);
+    an expert weight split by whole experts, each expert owned once."""
+    from moetrain.optim.muon_buckets import dense_layout, expert_layout, ns_cost
+
+    config = _config()
+    model = build_model(config)
+    muon, _ = split_param_groups(build_param_groups(model, config.train))
+    entries = [
+        (n, p, 0, "expert" if p.ndim == 3 else "dense", matrix_layout(n, p.ndim))
+        for g in muon
+        for n, p in zip(g["param_names"], g["params"], strict=True)
+    ]
+    dense = [e for e in entries if e[3] == "dense"]
+    costs = [ns_cost(e[1], e[4]) for e in dense]
+    for size in (1, 2, 3, 4):
+        layouts = [dense_layout(dense, size, rank) for rank in range(size)]
+        starts, region = layouts[0][0], layouts[0][1]
+        owners = {}
+        for rank, (_, _, pieces) in enumerate(layouts):
+            for piece in pieces:
+                assert piece.slot not in owners and piece.hi <= region
+                assert starts[piece.slot] == rank * region + piece.lo
+                assert piece.shape == tuple(dense[piece.slot][1].shape)
+                owners[piece.slot] = rank
+        assert sorted(owners) == list(range(len(dense)))
+        loads = [sum(c for i, c in enumerate(costs) if owners[i] == r) for r in range(size)]
+        assert max(loads) - min(loads) <= max(costs), (size, loads)
+        for entry in (e for e in entries if e[3] == "expert"):
+            rows = []
+            for rank in range(size):
+                for piece in expert_layout(entry, size, rank)[2]:
+                    rows += range(piece.first_row, piece.first_row + piece.shape[0])
+            assert rows == list(range(entry[1].shape[0])), (entry[0], size)
