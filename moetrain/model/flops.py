@@ -73,23 +73,39 @@ def param_counts(config: RunConfig) -> ParamCounts:
 
 def muon_matrices(config: RunConfig) -> list[tuple[int, int, int]]:
     """(count, rows, cols) of the matrices Muon orthogonalizes at each step, over the whole
-    model: the attention projections q, k, v, o; the gate, up and down projections of the dense
-    MLPs, of the shared experts and of every routed expert (gate and up are two matrices though
-    stored as one tensor)."""
+    model: the attention projections q, k, v, o; the gate, up and down projections of the
+    dense MLPs, of the shared experts and of every routed expert (gate and up are two matrices
+    though stored as one tensor)."""
+    m = config.model
+    num_moe = m.num_layers - m.num_dense_layers
+    per_block = [
+        (m.num_dense_layers, _block_matrices(config, "dense")),
+        (num_moe, _block_matrices(config, "moe") + _block_matrices(config, "experts")),
+    ]
+    shapes = [(blocks * n, r, c) for blocks, block in per_block for n, r, c in block]
+    return [shape for shape in shapes if shape[0]]
+
+
+def _block_matrices(config: RunConfig, part: str) -> list[tuple[int, int, int]]:
+    """(count, rows, cols) of one block's Muon matrices: "dense" (a dense-MLP block), "moe" (a
+    MoE block's attention and shared experts) or "experts" (its routed experts)."""
     m, moe = config.model, config.moe
     D, H = m.d_model, m.dim_per_head
     q_dim, kv_dim = m.num_heads * H, m.kv_heads * H
-    num_moe = m.num_layers - m.num_dense_layers
-    shapes = [
-        (m.num_layers, q_dim, D),
-        (2 * m.num_layers, kv_dim, D),
-        (m.num_layers, D, q_dim),
-        (3 * m.num_dense_layers, m.dense_hidden_size, D),
-        (3 * num_moe * moe.num_experts, D, moe.expert_hidden),
-    ]
-    if moe.num_shared_experts:
-        shapes.append((3 * num_moe, moe.num_shared_experts * moe.expert_hidden, D))
-    return [shape for shape in shapes if shape[0]]
+    if part == "experts":
+        return [(3 * moe.num_experts, D, moe.expert_hidden)]
+    attention = [(1, q_dim, D), (2, kv_dim, D), (1, D, q_dim)]
+    if part == "dense":
+        return [*attention, (3, m.dense_hidden_size, D)]
+    shared = moe.num_shared_experts * moe.expert_hidden
+    return attention + ([(3, shared, D)] if shared else [])
+
+
+def muon_block_flops(config: RunConfig, part: str, steps: int | None = None) -> int:
+    """Newton-Schulz FLOPs of one step over one block's `part` (`_block_matrices`): the
+    planner's per-stage count."""
+    steps = config.train.muon_ns_steps if steps is None else steps
+    return sum(n * newton_schulz_flops(r, c, steps) for n, r, c in _block_matrices(config, part))
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
