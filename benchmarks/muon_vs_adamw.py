@@ -62,7 +62,8 @@ def tokens_to_reach(curve: dict, target: float) -> float | None:
         if loss <= target:
             if previous is None:
                 return step * curve["tokens_per_step"]
-            (s0, l0), frac = previous, (previous[1] - target) / (previous[1] - loss)
+            s0, l0 = previous
+            frac = (l0 - target) / (l0 - loss)
             return (s0 + frac * (step - s0)) * curve["tokens_per_step"]
         previous = (step, loss)
     return None

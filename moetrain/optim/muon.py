@@ -91,7 +91,7 @@ def muon_update_(
         inputs.append(g + mu * momentum if settings.nesterov else momentum)
     # (3) orthogonalize: the matrices of one shape together, up to MAX_BATCH_ELEMENTS a call
     updates: list[torch.Tensor | None] = [None] * len(tensors)
-    for batch in _batches(tensors):
+    for batch in matrix_batches(tensors):
         matrices = [tensors[i].layout.to_matrices(inputs[i]) for i in batch]
         out = newton_schulz(torch.cat(matrices), settings.ns_steps, settings.ns_dtype)
         for i, part in zip(batch, out.split([m.shape[0] for m in matrices]), strict=True):
@@ -104,7 +104,7 @@ def muon_update_(
         t.weight.copy_(torch.where(skip, t.weight, new))
 
 
-def _batches(tensors: Sequence[MuonTensor]) -> list[list[int]]:
+def matrix_batches(tensors: Sequence[MuonTensor]) -> list[list[int]]:
     """Indices of `tensors` grouped by matrix shape, each group cut at MAX_BATCH_ELEMENTS (a
     tensor larger than that is a batch alone)."""
     by_shape: dict[tuple[int, int], list[list[int]]] = {}

@@ -2,7 +2,8 @@
 sequences a step in micro-batches of 2 (one process accumulates 8, dp 2 four each, dp 2 x ep 2
 two each, pp 2 eight through the schedule), clipping that binds, fp32. Losses and the final
 weights (read back from each run's checkpoint, global names and shapes) equal one process's to
-1e-5; the sharded state resumes bitwise at world 2 and reshards from world 2 to one process.
+1e-5; the sharded state resumes bitwise at world 2 and reshards from world 2 to one process,
+the replicated one from ep 2 to one process.
 
 Newton-Schulz runs in fp32 here (train.muon_ns_dtype): the layouts must do the same arithmetic,
 and bf16 products round to 8 bits, so gradients that differ in fp32 summation order (1e-7) round
@@ -109,7 +110,7 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("muon_layouts")
     cache = str(root / "cache")
     os.environ["MOETRAIN_CACHE"] = cache
-    d = {name: str(root / name) for name in ("one", "dp2", "ep2", "pp2", "s2", "s2_resumed", "s1", "dp2ep2")}  # fmt: skip
+    d = {name: str(root / name) for name in ("one", "dp2", "ep2", "pp2", "s2", "s2_resumed", "s1", "e1", "dp2ep2")}  # fmt: skip
     run_distributed(
         _jobs,
         2,
@@ -123,7 +124,16 @@ def runs(tmp_path_factory) -> Path:
         ],
     )
     run_distributed(_jobs, 4, cache, [(d["dp2ep2"], "muon_sharded", ("parallel.ep=2",), None)])
-    _jobs(0, 1, cache, [(d["one"], "muon", (), None), (d["s1"], "muon_sharded", (), d["s2"])])
+    _jobs(
+        0,
+        1,
+        cache,
+        [
+            (d["one"], "muon", (), None),
+            (d["s1"], "muon_sharded", (), d["s2"]),
+            (d["e1"], "muon", (), d["ep2"]),
+        ],
+    )
     return root
 
 
@@ -150,3 +160,9 @@ def test_sharded_state_resumes_bitwise_at_world_2(runs):
 def test_sharded_state_reshards_from_world_2_to_one_process(runs):
     _assert_same_run(runs / "s1", runs / "s2", "2 -> 1", steps=(3, 4))
     _assert_same_run(runs / "s2", runs / "one", "sharded at world 2")
+
+
+def test_replicated_state_reshards_from_ep_2_to_one_process(runs):
+    """The replicated Muon's momentum of expert slices is saved as global tensors (DTensors
+    over ep) and loads into one process."""
+    _assert_same_run(runs / "e1", runs / "ep2", "ep 2 -> 1", steps=(3, 4))
