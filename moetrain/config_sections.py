@@ -263,7 +263,7 @@ class TrainConfig:
     # orthogonalize g + momentum x buffer instead of the buffer
     muon_nesterov: bool = resumable(True, in_model=False)
     muon_ns_steps: int = resumable(5, in_model=False)  # quintic Newton-Schulz steps per update
-    # the dtype of the Newton-Schulz products; fp32 for studying numerics (about 4x the time)
+    # the dtype of the Newton-Schulz products; fp32 for studying numerics (slower)
     muon_ns_dtype: Literal["bf16", "fp32"] = resumable("bf16", in_model=False)
     # the RMS of each matrix's update before the lr: 0.2 x sqrt(max(rows, cols)) x the
     # orthogonalized momentum (Moonlight's match of AdamW's update RMS)

@@ -323,3 +323,22 @@ def test_whole_matrix_layout_partitions_and_balances():
                 for piece in expert_layout(entry, size, rank)[2]:
                     rows += range(piece.first_row, piece.first_row + piece.shape[0])
             assert rows == list(range(entry[1].shape[0])), (entry[0], size)
+
+
+def test_resume_may_change_muons_hyperparameters_not_the_optimizer():
+    from moetrain.config_resume import check_resumable
+
+    saved = tiny().with_overrides(["train.optimizer=muon"])
+    changed = saved.with_overrides(
+        [
+            "train.muon_momentum=0.9",
+            "train.muon_ns_steps=6",
+            "train.muon_nesterov=false",
+            "train.muon_update_rms=0.3",
+            "train.muon_ns_dtype=fp32",
+        ]  # fmt: skip
+    )
+    assert len(check_resumable(saved, changed, "config.yaml")) == 5
+    for other in ("muon_sharded", "adamw"):
+        with pytest.raises(ValueError, match="train.optimizer cannot change on --resume"):
+            check_resumable(saved, saved.with_overrides([f"train.optimizer={other}"]), "x")
