@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from moetrain.config import RunConfig
-from moetrain.optim.buckets import global_layouts, param_entries
+from moetrain.optim.buckets import GlobalSlices, global_layouts, param_entries
 from moetrain.optim.clip import EXPERT, clip_coefficient
 from moetrain.optim.grad_buckets import BucketedGrads
 from moetrain.optim.muon import MuonSettings, MuonTensor, muon_update_
@@ -61,11 +62,11 @@ class MuonShards:
         param_groups: list[dict[str, Any]],
         settings: MuonSettings,
         *,
-        dense_group,
-        expert_group,
+        dense_group: ProcessGroup | None,
+        expert_group: ProcessGroup | None,
         expert_grad_divisor: int,
         grad_dtype: torch.dtype | None,
-        global_slices,
+        global_slices: GlobalSlices | None,
         param_order: Sequence[str] | None,
     ) -> None:
         self.settings = settings
@@ -225,7 +226,7 @@ class ShardedMuon(BucketedGrads):
         )
         self._init_buckets(buckets)
 
-    def _launch(self, bucket):
+    def _launch(self, bucket: Any) -> Any:
         return reduce_scatter_bucket(bucket)
 
     @property
