@@ -212,8 +212,13 @@ def family(config: RunConfig, layout: Layout) -> str:
         shard = p.fsdp_shard_size or layout.dp
         kind = f"HSDP, shards of {shard}" if shard < layout.dp else f"FSDP2 over {shard} ranks"
         return f"{kind}, reshard {p.fsdp_reshard}"
-    if config.train.optimizer == "sharded":
+    optimizer = config.train.optimizer
+    if optimizer == "sharded":
         return "DDP, ShardedAdamW (ZeRO-1: optimizer state sharded)"
+    if optimizer == "muon_sharded":
+        return "DDP, sharded Muon (ZeRO-1: each matrix's state on one rank, AdamW's sharded)"
+    if optimizer == "muon":
+        return "DDP, replicated Muon and AdamW (whole optimizer state on each rank)"
     return "DDP, replicated AdamW (whole optimizer state on each rank)"
 
 

@@ -545,3 +545,19 @@ def test_fp8_lm_head_moves_the_head_to_the_fp8_rate_on_the_last_stage(pp):
             _matmul_parts(config, cluster, layout, 0)
         )
         assert _fp8_quantization_bytes(fp8, layout, 0) == 0
+
+
+def test_run_memory_counts_muons_one_buffer_in_both_families():
+    """The replicated and the sharded Muon hold one fp32 momentum buffer per Muon element where
+    AdamW holds two moments: 4 B less per element the rank's Muon matrices hold."""
+    from moetrain.plan.run_memory import run_memory
+
+    layout = P.Layout(pp=1, dp=1, ep=1, micro_batch_size=1)
+    muon_elements = param_counts(tiny()).muon
+    for adam, muon in (("adamw", "muon"), ("sharded", "muon_sharded")):
+        a, m = (
+            run_memory(tiny().with_overrides([f"train.optimizer={o}"]), layout, 0, 1, overhead=0)
+            for o in (adam, muon)
+        )
+        assert a.optimizer - m.optimizer == 4 * muon_elements, (adam, muon)
+        assert a.params == m.params and a.grads == m.grads
