@@ -180,10 +180,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     counts = param_counts(config)
     dp = config.parallel.dp or 1
     edp = max(dp // config.parallel.ep, 1)
-    # bf16 params + bf16 grads + fp32 master and two fp32 moments (12 B) sharded with the optimizer
-    sharded = config.train.optimizer == "sharded"
-    dense_states = counts.dense * 12 / (dp if sharded else 1)
-    expert_states = counts.experts / config.parallel.ep * 12 / (edp if sharded else 1)
+    # bf16 params + bf16 grads + fp32 master and two fp32 moments (12 B; Muon's matrices one
+    # momentum, 8 B) sharded with the optimizer
+    sharded = config.train.optimizer in ("sharded", "muon_sharded")
+    muon = config.train.optimizer in ("muon", "muon_sharded")
+    dense_muon = counts.muon - counts.experts if muon else 0
+    dense_states = (counts.dense * 12 - dense_muon * 4) / (dp if sharded else 1)
+    expert_states = (
+        counts.experts / config.parallel.ep * (8 if muon else 12) / (edp if sharded else 1)
+    )
     weights = (counts.dense + counts.experts / config.parallel.ep) * 2 * 2
     info = {
         "name": config.name,

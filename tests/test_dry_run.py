@@ -130,6 +130,32 @@ def test_dry_run_shows_the_expert_buffer_rows(capsys):
         assert f"{rows:,} rows per MoE layer and micro-batch" in out and dispatcher in out
 
 
+def test_dry_run_counts_muons_state_and_flops(capsys):
+    """olmoe8 at dp 8 x ep 8, muon_sharded: each row names its optimizer, the optimizer shards
+    shrink by Muon's one buffer, and the rank's Newton-Schulz FLOPs are its 8 experts of every
+    layer whole (edp 1) plus an eighth of the attention matrices."""
+    from moetrain.model.flops import muon_block_flops
+
+    base = get_preset("olmoe8").with_overrides(["parallel.ep=8"])
+    muon = base.with_overrides(["train.optimizer=muon_sharded"])
+    layout = layout_from_config(muon, 8)
+    report = dry_run(muon, layout, 5)
+    by_name = {row.name: row.updated_by for row in report.rows}
+    assert by_name["blocks.[0-7].ffn.experts.w_up_eD2F"] == "muon"
+    assert by_name["blocks.[0-7].attn.q_proj.weight"] == "muon"
+    assert by_name["embed.weight"] == by_name["blocks.[0-7].ffn.router.gate.weight"] == "adamw"
+    assert {row.updated_by for row in dry_run(base, layout, 5).rows} == {"adamw"}
+    assert report.memory.optimizer < dry_run(base, layout, 5).memory.optimizer
+    layers = muon.model.num_layers
+    expected = layers * muon_block_flops(muon, "experts") // 8
+    expected += layers * muon_block_flops(muon, "moe") // 8
+    assert report.muon_flops == expected
+    args = build_parser().parse_args(["train", "--dry-run", "--world-size", "8", "--rank", "5"])
+    assert run_dry_run(muon, args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"Muon: {expected / 1e12:,.2f} TFLOP of Newton-Schulz products" in out
+
+
 def test_bad_rank_or_layout_is_a_value_error():
     config = get_preset("small")
     with pytest.raises(ValueError, match="rank"):

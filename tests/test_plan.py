@@ -105,6 +105,40 @@ def test_memory_equals_the_sharded_optimizers_buffers_on_one_rank(pp):
         assert held == mem.params + mem.grads + mem.optimizer
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_memory_equals_the_sharded_muons_buffers_on_one_rank(pp):
+    """train.optimizer=muon_sharded: the planner's bytes are the optimizer's own buffers (AdamW's
+    flat buckets with two moments, Muon's whole-matrix buckets with one momentum buffer); its
+    Newton-Schulz FLOPs are model/flops.py's count of the stage's matrices."""
+    from moetrain.model.flops import muon_flops
+    from moetrain.optim.muon import MuonSettings
+    from moetrain.optim.muon_params import split_param_groups
+    from moetrain.optim.muon_sharded import MuonShards
+
+    config = tiny().with_overrides(["train.optimizer=muon_sharded"])
+    layout = P.Layout(pp=pp, dp=1, ep=1, micro_batch_size=1)
+    flops = 0
+    for stage in range(pp):
+        model = _materialize(config, layout, stage)
+        muon, adamw = split_param_groups(build_param_groups(model, config.train))
+        kw = dict(dense_group=None, expert_group=None, grad_dtype=torch.float32)
+        opt = ShardedAdamW(adamw, lr=1e-3, **kw)
+        shards = MuonShards(muon, MuonSettings.from_config(config.train), expert_grad_divisor=1, global_slices=None, param_order=None, **kw)  # fmt: skip
+        held = sum(
+            _nbytes([b.params_flat, b.grads_flat, b.master, b.exp_avg, b.exp_avg_sq])
+            for b in opt.buckets
+        )
+        held += sum(
+            _nbytes([b.params_flat, b.grads_flat, b.master, b.momentum]) for b in shards.buckets
+        )
+        mem = P.stage_memory(config, layout, stage, num_micro=1)
+        assert held == mem.params + mem.grads + mem.optimizer
+        flops += P.rank_muon_flops(config, layout, stage)
+    assert flops == muon_flops(config)
+    adamw_memory = P.stage_memory(tiny(), layout, 0, num_micro=1)
+    assert adamw_memory.optimizer > P.stage_memory(config, layout, 0, num_micro=1).optimizer
+
+
 def test_backward_gives_every_parameter_a_gradient_of_its_dtype():
     config = tiny()
     layout = P.Layout(pp=2, dp=1, ep=1, micro_batch_size=2)
@@ -511,3 +545,19 @@ def test_fp8_lm_head_moves_the_head_to_the_fp8_rate_on_the_last_stage(pp):
             _matmul_parts(config, cluster, layout, 0)
         )
         assert _fp8_quantization_bytes(fp8, layout, 0) == 0
+
+
+def test_run_memory_counts_muons_one_buffer_in_both_families():
+    """The replicated and the sharded Muon hold one fp32 momentum buffer per Muon element where
+    AdamW holds two moments: 4 B less per element the rank's Muon matrices hold."""
+    from moetrain.tools.plan.run_memory import run_memory
+
+    layout = P.Layout(pp=1, dp=1, ep=1, micro_batch_size=1)
+    muon_elements = param_counts(tiny()).muon
+    for adam, muon in (("adamw", "muon"), ("sharded", "muon_sharded")):
+        a, m = (
+            run_memory(tiny().with_overrides([f"train.optimizer={o}"]), layout, 0, 1, overhead=0)
+            for o in (adam, muon)
+        )
+        assert a.optimizer - m.optimizer == 4 * muon_elements, (adam, muon)
+        assert a.params == m.params and a.grads == m.grads

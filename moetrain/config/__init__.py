@@ -67,12 +67,22 @@ class RunConfig:
             fail("parallel.ep", ep, f"must divide moe.num_experts ({num_experts})")
         if self.parallel.dp is not None and self.parallel.dp % ep:
             fail("parallel.ep", ep, f"must divide parallel.dp ({self.parallel.dp})")
-        if self.train.optimizer == "sharded" and self.train.adamw_kernel == "triton":
+        optimizer = self.train.optimizer
+        if optimizer in ("sharded", "muon_sharded") and self.train.adamw_kernel == "triton":
             fail(
                 "train.adamw_kernel",
                 "triton",
-                "applies to the replicated AdamW; train.optimizer (sharded) updates its flat "
-                "shards with torch's fused AdamW",
+                f"applies to the replicated AdamW; train.optimizer ({optimizer}) updates its "
+                "flat shards with torch's fused AdamW",
+            )
+        if optimizer in ("muon", "muon_sharded") and self.parallel.data_parallel == "fsdp":
+            fail(
+                "train.optimizer",
+                optimizer,
+                "cannot be combined with parallel.data_parallel (fsdp): Newton-Schulz needs each "
+                "weight matrix whole and FSDP2 shards every parameter over the dp ranks; use "
+                "parallel.data_parallel=ddp (train.optimizer=muon_sharded shards Muon's state "
+                "by whole matrices)",
             )
         for name, width in (("model.d_model", self.model.d_model), ("moe.expert_hidden", self.moe.expert_hidden)):  # fmt: skip
             if width % 8:  # torch._grouped_mm wants 16-byte rows: 8 bf16 or 4 fp32 elements

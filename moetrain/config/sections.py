@@ -228,6 +228,9 @@ class ParallelConfig:
         return self.compile if self.compile is not None else device_type == "cuda"
 
 
+MAX_NS_STEPS = 20
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Optimization and the training loop's cadence."""
@@ -250,7 +253,21 @@ class TrainConfig:
     grad_clip: float = resumable(1.0, in_model=False)  # 0 disables clipping
     expert_lr_mult: float = resumable(1.0, in_model=False)
     router_lr_mult: float = resumable(1.0, in_model=False)
-    optimizer: Literal["adamw", "sharded"] = frozen("adamw", in_model=False)
+    # adamw: replicated AdamW; sharded: ZeRO-1 AdamW (flat shards); muon: Muon for the weight
+    # matrices and the replicated AdamW for the rest; muon_sharded: Muon with each matrix's state
+    # on one data-parallel rank and ZeRO-1 AdamW for the rest (docs/design.md, "Muon"). Frozen:
+    # the optimizer state's layout depends on it
+    optimizer: Literal["adamw", "sharded", "muon", "muon_sharded"] = frozen("adamw", in_model=False)
+    # Muon's momentum (the lr and weight decay are AdamW's)
+    muon_momentum: float = resumable(0.95, in_model=False)
+    # orthogonalize g + momentum x buffer instead of the buffer
+    muon_nesterov: bool = resumable(True, in_model=False)
+    muon_ns_steps: int = resumable(5, in_model=False)  # quintic Newton-Schulz steps per update
+    # the dtype of the Newton-Schulz products; fp32 for studying numerics (slower)
+    muon_ns_dtype: Literal["bf16", "fp32"] = resumable("bf16", in_model=False)
+    # the RMS of each matrix's update before the lr: 0.2 x sqrt(max(rows, cols)) x the
+    # orthogonalized momentum (Moonlight's match of AdamW's update RMS)
+    muon_update_rms: float = resumable(0.2, in_model=False)
     # the replicated AdamW's update kernel: auto = Triton on CUDA when installed, else torch's
     adamw_kernel: Literal["auto", "torch", "triton"] = resumable("auto", in_model=False)
     # replay each training step as one CUDA graph (moetrain.train.graph); None: where supported
@@ -292,6 +309,7 @@ class TrainConfig:
             "eval_sequences",
             "keep_checkpoints",
             "max_bad_steps",
+            "muon_update_rms",
         )
         _non_negative(
             s,
@@ -312,9 +330,16 @@ class TrainConfig:
             fail("train.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
         if not 0.0 < self.decay_fraction <= 1.0:
             fail("train.decay_fraction", self.decay_fraction, "must be in (0, 1]")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
+        if not 1 <= self.muon_ns_steps <= MAX_NS_STEPS:
+            fail(
+                "train.muon_ns_steps",
+                self.muon_ns_steps,
+                f"must be between 1 and {MAX_NS_STEPS} (the quintic iteration stops improving "
+                "after about 5)",
+            )
         check_choices(s, self)
 
 

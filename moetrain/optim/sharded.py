@@ -7,7 +7,9 @@ shard's master and moments, so every element is owned by exactly one rank of the
 world. Every collective is launched in bucket order on every rank. At world size 1 a step is
 `torch.optim.AdamW` after `torch.nn.utils.clip_grad_norm_` (only the norm's summation order
 differs). Checkpoints hold each rank's shards as chunks of the global tensors
-(optim/sharded_state.py) and load under any layout.
+(optim/sharded_state.py) and load under any layout. `AdamWShards` is the state and update
+without the gradient protocol, for an owner that runs one protocol over other buckets too (the
+sharded Muon, optim/muon_sharded.py).
 """
 
 from __future__ import annotations
@@ -52,10 +54,9 @@ def expert_global_slices(model: nn.Module, num_experts: int) -> dict[str, tuple[
     return slices
 
 
-class ShardedAdamW(BucketedGrads):
-    """ZeRO-1 AdamW (module docstring). Per step: every backward but the last under
-    `no_sync()` (the last one's hooks launch the reduce-scatters), then `step()` (waits, clips,
-    updates, all-gathers), then `zero_grad()`.
+class AdamWShards:
+    """The ZeRO-1 AdamW state and update of ShardedAdamW (module docstring), without the
+    gradient protocol: its buckets are reduce-scattered by an owner (`reduce_scatter_bucket`).
 
     `param_groups`: `build_param_groups` output. `expert_grad_divisor`: expert gradients are
     summed over `expert_group` and divided by this (the trainer passes dp: a local expert gradient
@@ -105,57 +106,43 @@ class ShardedAdamW(BucketedGrads):
             "dense": (dense_group, float(group_size(dense_group))),
             EXPERT: (expert_group, float(expert_grad_divisor)),
         }
-        self._init_buckets(make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype))
+        self.buckets = make_buckets(entries, sync, bucket_mb * 2**20, master_dtype, grad_dtype)
         device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
         # Steps applied, on the device (skips are decided there). float32 as torch's fused AdamW
         # keeps it: its CUDA kernel reads a float64 step as garbage (NaN); counts < 2**24 are exact.
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self._where = {name: (b, i) for b in self.buckets for i, name in enumerate(b.names)}
 
-    # ---- gradient synchronization: optim/grad_buckets.py; this optimizer's collective --------
-    def _launch(self, bucket: Bucket):
-        if bucket.group is None:
-            return None
-        return reduce_scatter_flat(
-            bucket.grad_shard, bucket.grads_flat, group=bucket.group, async_op=True
-        )
-
-    def finish_grad_sync(self) -> None:
-        """Launch the reduce-scatters the backward hooks have not launched (unused parameters,
-        gradients assigned by hand) and wait for all of them. Idempotent within a step."""
-        self.launch_remaining()
-        self.wait()
-
-    # ---- the step -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(
-        self,
-        lr: float | None = None,
-        max_grad_norm: float | None = None,
-        *,
-        skip: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One AdamW step at `lr` (x each group's lr_mult; None: the constructor's), clipping the
-        global norm to `max_grad_norm` (None or 0: no clipping); returns the norm before clipping,
-        on the device. Where `skip` (a device bool) is true or the norm is not finite, the step
-        changes nothing (parameters, moments, step count), without a host sync."""
-        lr = self.lr if lr is None else lr
-
-        # (1) Reduce-scatter: launch what backward has not launched, wait for everything. Each
-        #     rank now holds the summed gradient of its shard of every bucket.
-        self.finish_grad_sync()
-
-        # (2) Global grad norm. Owned shards partition every sync group and every ep rank holds
-        #     different experts, so one sum over the data-parallel world counts each element once.
+    # ---- the step, in phases ------------------------------------------------------------------
+    def owned_grad_square(self) -> torch.Tensor:
+        """This rank's part of the squared global gradient norm (after the reduce-scatters): its
+        owned shards, each divided by its averaging divisor. Owned shards partition every sync
+        group and every ep rank holds different experts, so one sum over the data-parallel world
+        counts each element once."""
         squares = [
             (torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32) / b.divisor).square()
             for b in self.buckets
         ]
-        total_sq = torch.stack(squares).sum() if squares else self.step_count.new_zeros(())
+        return torch.stack(squares).sum() if squares else self.step_count.new_zeros(())
+
+    def global_norm(self, owned_square: torch.Tensor) -> torch.Tensor:
+        """The global norm from every rank's `owned_square` (summed over dp and pp)."""
         for group in (self.dense_group, self.pp_group):
             if group is not None:
-                dist.all_reduce(total_sq, group=group)
-        total_norm = total_sq.sqrt()
+                dist.all_reduce(owned_square, group=group)
+        return owned_square.sqrt()
+
+    @torch.no_grad()
+    def update(
+        self,
+        lr: float | torch.Tensor,
+        total_norm: torch.Tensor,
+        max_grad_norm: float | None,
+        skip: torch.Tensor | None,
+    ) -> None:
+        """Clip to `max_grad_norm` by `total_norm` (None or 0: no clipping), update the owned
+        shards unless `skip` (a device bool) or a non-finite norm, and all-gather the
+        parameters."""
         clip = clip_coefficient(total_norm, max_grad_norm) if max_grad_norm else None
         if skip is not None:
             skip = skip | ~torch.isfinite(total_norm)
@@ -200,39 +187,11 @@ class ShardedAdamW(BucketedGrads):
             gathers.append(self._launch_gather(bucket))
 
         # (5) Wait for the gathers: every parameter holds its new value on every rank.
-        self._finish_gathers(gathers)
-        self.end_step(unwritten=False)  # accumulate mode: zero_grad marks them
-        return total_norm
+        finish_gathers(gathers, [p for b in self.buckets for p in b.params])
 
-    def _finish_gathers(self, gathers: list) -> None:
-        """Wait for the parameter all-gathers, then bump every parameter's version counter: they
-        wrote through bucket views whose counters the parameters do not share, and autograd's
-        check of tensors saved for backward must see the change."""
-        for work in gathers:
-            if work is not None:
-                work.wait()
-        torch.autograd.graph.increment_version([p for b in self.buckets for p in b.params])
-
-    def _launch_gather(self, bucket: Bucket):
-        if bucket.group is None:
-            bucket.params_flat.copy_(bucket.master)
-            return None
-        bucket.staging.copy_(bucket.master)
-        return all_gather_flat(
-            bucket.params_flat, bucket.staging, group=bucket.group, async_op=True
-        )
-
-    @torch.no_grad()
-    def zero_grad(self) -> None:
-        """Zero every gradient: view-mode buckets are zeroed; accumulate-mode slots are marked
-        unwritten (the next backward copies instead of adding)."""
-        self.wait()  # nothing may still be reading the buffers
-        for bucket in self.buckets:
-            if not bucket.accumulate:
-                bucket.grads_flat.zero_()
-            for index, param in enumerate(bucket.params):
-                param.grad = None if bucket.accumulate else bucket.grad_view(index)
-        self.end_step()
+    @staticmethod
+    def _launch_gather(bucket: Bucket):
+        return gather_params(bucket, bucket.master)
 
     def state_bytes_per_rank(self) -> int:
         """Bytes of optimizer state this rank holds: master copy and both moments of its shards."""
@@ -284,7 +243,10 @@ class ShardedAdamW(BucketedGrads):
                 flat, shard = tensor.reshape(-1), getattr(bucket, key)
                 for start, lo, hi in self._owned_ranges(name):
                     shard[lo:hi] = flat[start : start + hi - lo]
-        self._finish_gathers([self._launch_gather(bucket) for bucket in self.buckets])
+        finish_gathers(
+            [self._launch_gather(bucket) for bucket in self.buckets],
+            [p for b in self.buckets for p in b.params],
+        )
 
     def _owned_ranges(self, name: str) -> list[tuple[int, int, int]]:
         """(start in the flattened global tensor, lo, hi in the bucket's shard) of each piece of
@@ -307,7 +269,7 @@ class ShardedAdamW(BucketedGrads):
 
     @staticmethod
     def _reset_master(bucket: Bucket, index: int) -> None:
-        for piece in ShardedAdamW._pieces_of(bucket, index):
+        for piece in AdamWShards._pieces_of(bucket, index):
             start = bucket.shard_lo + piece.lo
             bucket.master[piece.lo : piece.hi] = bucket.params_flat[
                 start : start + piece.hi - piece.lo
@@ -316,3 +278,90 @@ class ShardedAdamW(BucketedGrads):
     @staticmethod
     def _pieces_of(bucket: Bucket, index: int) -> list[Piece]:
         return [piece for piece in bucket.pieces if piece.index == index]
+
+
+class ShardedAdamW(AdamWShards, BucketedGrads):
+    """ZeRO-1 AdamW (module docstring). Per step: every backward but the last under
+    `no_sync()` (the last one's hooks launch the reduce-scatters), then `step()` (waits, clips,
+    updates, all-gathers), then `zero_grad()`. Arguments: `AdamWShards`'s."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> None:
+        AdamWShards.__init__(self, param_groups, **kwargs)
+        self._init_buckets(self.buckets)
+
+    def _launch(self, bucket: Bucket):
+        return reduce_scatter_bucket(bucket)
+
+    def finish_grad_sync(self) -> None:
+        """Launch the reduce-scatters the backward hooks have not launched (unused parameters,
+        gradients assigned by hand) and wait for all of them. Idempotent within a step."""
+        self.launch_remaining()
+        self.wait()
+
+    @torch.no_grad()
+    def step(
+        self,
+        lr: float | None = None,
+        max_grad_norm: float | None = None,
+        *,
+        skip: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One AdamW step at `lr` (x each group's lr_mult; None: the constructor's), clipping the
+        global norm to `max_grad_norm` (None or 0: no clipping); returns the norm before clipping,
+        on the device. Where `skip` (a device bool) is true or the norm is not finite, the step
+        changes nothing (parameters, moments, step count), without a host sync."""
+        # (1) Reduce-scatter: launch what backward has not launched, wait for everything. Each
+        #     rank now holds the summed gradient of its shard of every bucket.
+        self.finish_grad_sync()
+        # (2) Global grad norm, then (3)-(5) in `update`.
+        total_norm = self.global_norm(self.owned_grad_square())
+        self.update(self.lr if lr is None else lr, total_norm, max_grad_norm, skip)
+        self.end_step(unwritten=False)  # accumulate mode: zero_grad marks them
+        return total_norm
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        self.wait()  # nothing may still be reading the buffers
+        zero_bucket_grads(self.buckets)
+        self.end_step()
+
+
+def reduce_scatter_bucket(bucket: Any):
+    """Launch the reduce-scatter of a sharded bucket's gradients into its `grad_shard` (None
+    for a bucket without a group: its shard is a view of the gradients)."""
+    if bucket.group is None:
+        return None
+    return reduce_scatter_flat(
+        bucket.grad_shard, bucket.grads_flat, group=bucket.group, async_op=True
+    )
+
+
+def gather_params(bucket: Any, owned: torch.Tensor):
+    """Launch the all-gather of every rank's `owned` values (its master shard) into the
+    bucket's parameters, in the training dtype (a copy without a group)."""
+    if bucket.group is None:
+        bucket.params_flat[bucket.shard_lo : bucket.shard_lo + owned.numel()].copy_(owned)
+        return None
+    bucket.staging.copy_(owned)
+    return all_gather_flat(bucket.params_flat, bucket.staging, group=bucket.group, async_op=True)
+
+
+def finish_gathers(gathers: Sequence[Any], params: Sequence[torch.Tensor]) -> None:
+    """Wait for the parameter all-gathers, then bump every parameter's version counter: they
+    wrote through bucket views whose counters the parameters do not share, and autograd's
+    check of tensors saved for backward must see the change."""
+    for work in gathers:
+        if work is not None:
+            work.wait()
+    torch.autograd.graph.increment_version(list(params))
+
+
+def zero_bucket_grads(buckets: Sequence[Any]) -> None:
+    """Zero every gradient of sharded buckets: view-mode buckets are zeroed; accumulate-mode
+    slots are marked unwritten by the owner's `end_step` (the next backward copies instead of
+    adding)."""
+    for bucket in buckets:
+        if not bucket.accumulate:
+            bucket.grads_flat.zero_()
+        for index, param in enumerate(bucket.params):
+            param.grad = None if bucket.accumulate else bucket.grad_view(index)

@@ -6,7 +6,9 @@ embedding on the first stage, the final norm and LM head on the last, and its nu
 experts of each MoE layer. Nothing is allocated, at any size. `dry_run` lists the parameters with
 their bytes next to the planner's memory estimate for the run's data-parallel family
 (`plan.run_memory`: the peak `moetrain plan` ranks a config at); the two parameter totals must
-agree.
+agree. With train.optimizer muon or muon_sharded each row says which optimizer updates it, the
+optimizer state counts one momentum buffer for Muon's matrices (two moments for AdamW's), and
+the report gives the Newton-Schulz FLOPs of one step on this rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from moetrain.config import RunConfig
 from moetrain.model.transformer import Transformer
 from moetrain.moe.experts import GroupedExperts
+from moetrain.optim.muon_params import matrix_layout
 from moetrain.optim.param_groups import param_kind
 from moetrain.tools.plan import (
     GIB,
@@ -35,6 +38,7 @@ from moetrain.tools.plan import (
     num_microbatches,
     precision_bytes,
     rank_coordinates,
+    rank_muon_flops,
     rank_params,
     stage_layer_ranges,
     validate_layout,
@@ -111,6 +115,7 @@ class ParamRow:
     count: int  # how many tensors the row stands for
     bytes: int  # all of them
     kind: str  # dense, router or expert
+    updated_by: str  # the optimizer of its parameters: adamw, or muon (train.optimizer muon*)
 
 
 @dataclass(frozen=True)
@@ -130,9 +135,10 @@ class DryRunReport:
     memory: Memory | None  # the planner's estimate for this rank (None: a layout it does not model)
     family: str  # how the rank holds its state: ZeRO-1, the replicated AdamW, FSDP2 or HSDP
     expert_rows: ExpertRows  # the rank's expert buffer per MoE layer and micro-batch
+    muon_flops: int  # Newton-Schulz FLOPs of one optimizer step on this rank (0 without Muon)
 
 
-def _collapse(model: nn.Module) -> list[ParamRow]:
+def _collapse(model: nn.Module, muon: bool) -> list[ParamRow]:
     groups: dict[tuple[str, tuple[int, ...], str], list] = {}
     for name, p in model.named_parameters():
         match = re.match(r"blocks\.(\d+)\.(.*)", name)
@@ -153,6 +159,7 @@ def _collapse(model: nn.Module) -> list[ParamRow]:
                 count=len(items),
                 bytes=sum(b for _, b, _ in items),
                 kind=param_kind(items[0][2]),
+                updated_by="muon" if muon and matrix_layout(items[0][2], len(shape)) else "adamw",
             )
         )
     return rows
@@ -187,13 +194,14 @@ def dry_run(
         ep_rank=ep_rank,
         layers=stage_layer_ranges(config.model.num_layers, layout.pp)[stage],
         experts=local_experts(config.moe.num_experts, layout, rank),
-        rows=_collapse(model),
+        rows=_collapse(model, config.train.optimizer in ("muon", "muon_sharded")),
         num_params=num_params,
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         num_microbatches=num_micro,
         memory=memory,
         family=family(config, layout),
         expert_rows=expert_rows(config, layout.ep, microbatch_tokens(config, layout)),
+        muon_flops=rank_muon_flops(config, layout, stage),
     )
 
 
@@ -204,8 +212,13 @@ def family(config: RunConfig, layout: Layout) -> str:
         shard = p.fsdp_shard_size or layout.dp
         kind = f"HSDP, shards of {shard}" if shard < layout.dp else f"FSDP2 over {shard} ranks"
         return f"{kind}, reshard {p.fsdp_reshard}"
-    if config.train.optimizer == "sharded":
+    optimizer = config.train.optimizer
+    if optimizer == "sharded":
         return "DDP, ShardedAdamW (ZeRO-1: optimizer state sharded)"
+    if optimizer == "muon_sharded":
+        return "DDP, sharded Muon (ZeRO-1: each matrix's state on one rank, AdamW's sharded)"
+    if optimizer == "muon":
+        return "DDP, replicated Muon and AdamW (whole optimizer state on each rank)"
     return "DDP, replicated AdamW (whole optimizer state on each rank)"
 
 
@@ -222,7 +235,7 @@ def print_dry_run(report: DryRunReport, device_type: str = "cuda") -> None:
         f"experts {report.experts.start}-{report.experts.stop - 1} of each MoE layer"
     )
     table = Table()
-    for col in ("parameter", "shape", "dtype", "tensors", "MiB", "kind"):
+    for col in ("parameter", "shape", "dtype", "tensors", "MiB", "kind", "optimizer"):
         table.add_column(col, justify="right" if col in ("tensors", "MiB") else "left")
     for row in report.rows:
         table.add_row(
@@ -232,6 +245,7 @@ def print_dry_run(report: DryRunReport, device_type: str = "cuda") -> None:
             str(row.count),
             f"{row.bytes / 2**20:,.1f}",
             row.kind,
+            row.updated_by,
         )
     console.print(table)
     console.print(
@@ -251,6 +265,12 @@ def print_dry_run(report: DryRunReport, device_type: str = "cuda") -> None:
             "was allocated."
         )
     console.print(f"Expert buffers on this rank: {report.expert_rows.describe()}.")
+    if report.muon_flops:
+        console.print(
+            f"Muon: {report.muon_flops / 1e12:,.2f} TFLOP of Newton-Schulz products per optimizer "
+            "step on this rank; its matrices hold one fp32 momentum buffer each in the optimizer "
+            "shards, AdamW's parameters two moments."
+        )
 
 
 def run_dry_run(config: RunConfig, args: argparse.Namespace) -> int:

@@ -30,14 +30,19 @@ from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
 from moetrain.parallel.data import FSDPAccumulation, GradientSync
 from moetrain.parallel.mesh import ParallelDims
+from moetrain.train.muon_build import MUON_OPTIMIZERS, build_muon
 
 
 def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
     """AdamW replicated over data parallelism (GradientSync all-reduces gradients), or the
-    distributed optimizer (train.optimizer = sharded), which reduce-scatters them itself."""
+    distributed optimizer (train.optimizer = sharded), which reduce-scatters them itself; Muon
+    in either form (train/muon_build.py)."""
     t = config.train
     groups = build_param_groups(model, t)
     grad_dtype = resolve_grad_dtype(model, config, dims)
+    if t.optimizer in MUON_OPTIMIZERS:
+        kernel = resolve_adamw_kernel(t.adamw_kernel, dims.device)
+        return build_muon(model, config, dims, groups, grad_dtype=grad_dtype, adamw_kernel=kernel)
     if t.optimizer == "sharded":
         if config.parallel.data_parallel == "fsdp":
             raise ValueError(
@@ -89,13 +94,13 @@ def resolve_grad_dtype(
     """The dtype gradients accumulate and are reduced in, when not the parameters' own (None).
     `precision.grad_dtype` fp32 with bf16 parameters gives fp32, except where nothing is
     accumulated or reduced (one micro-batch, one dp rank, no pipeline: a buffer would only add a
-    pass); FSDP reduces its own; the sharded optimizer always takes it (its buckets exist)."""
+    pass); FSDP reduces its own; the sharded optimizers always take it (their buckets exist)."""
     if config.precision.grad_dtype != "fp32" or config.parallel.data_parallel == "fsdp":
         return None
     if all(p.dtype == torch.float32 for p in model.parameters()):
         return None
     accumulates = config.grad_accum_steps(dims.dp) > 1 or dims.dp > 1 or dims.pp > 1
-    if not accumulates and config.train.optimizer != "sharded":
+    if not accumulates and config.train.optimizer not in ("sharded", "muon_sharded"):
         return None
     return torch.float32
 

@@ -64,8 +64,11 @@ class StepGraph:
                 "kernel for bf16 only and runs other dtypes as a loop over the experts that "
                 "copies the offsets to the host, which a capture refuses"
             )
-        if config.train.optimizer != "adamw" or adamw_kernel != "triton":
-            return "it needs train.optimizer=adamw with the Triton kernel (a device learning rate)"
+        if config.train.optimizer not in ("adamw", "muon") or adamw_kernel != "triton":
+            return (
+                "it needs train.optimizer adamw or muon with the Triton kernel of AdamW (a device "
+                "learning rate)"
+            )
         return None
 
     def run(self, batches: Iterator[Batch], lr: float) -> torch.Tensor:

@@ -32,6 +32,7 @@ from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.flops import flops_per_token
 from moetrain.model.transformer import Transformer
 from moetrain.optim.adamw import AdamW
+from moetrain.optim.muon import Muon
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.data import all_reduce_stats
 from moetrain.parallel.expert import globalize_experts
@@ -414,7 +415,7 @@ class Trainer:
         optimizer's state describes its own shards as chunks of the global tensors
         (optim/sharded_state.py)."""
         optim = self.optimizer.state_dict() if optim is None else optim
-        if isinstance(self.optimizer, AdamW):
+        if isinstance(self.optimizer, (AdamW, Muon)):  # local tensors, experts made global
             optim = globalize_experts(optim, self.dims)
         return {
             "model": globalize_experts(self.model.state_dict(), self.dims),

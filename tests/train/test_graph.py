@@ -26,6 +26,8 @@ CUDA = torch.device("cuda")
             None,
         ),
         (["train.optimizer=sharded"], 1, CUDA, "torch", "Triton kernel"),
+        (["train.optimizer=muon"], 1, CUDA, "triton", None),
+        (["train.optimizer=muon_sharded"], 1, CUDA, "torch", "Triton kernel"),
         (["precision.param_dtype=fp32", "parallel.compile=false"], 1, CUDA, "triton", "fp32"),
         ([], 1, CUDA, "torch", "Triton kernel"),
     ],

@@ -40,6 +40,7 @@ from moetrain.tools.plan.memory import (
     stage_memory,
 )
 from moetrain.tools.plan.search import Estimate, estimate, plan
+from moetrain.tools.plan.timing import rank_muon_flops
 
 __all__ = [
     "CHECKPOINTING",
@@ -61,6 +62,7 @@ __all__ = [
     "microbatch_tokens",
     "num_microbatches",
     "plan",
+    "rank_muon_flops",
     "precision_bytes",
     "rank_coordinates",
     "rank_params",

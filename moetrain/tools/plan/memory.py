@@ -1,7 +1,9 @@
 """Bytes on one GPU: parameters, gradients, optimizer state and activations of a pipeline stage.
 
 Parameter counts come from model/flops.py, placement from layout.py, optimizer terms from
-ShardedAdamW (ZeRO-1 over dp for dense parameters, over dp / ep for experts). The activation
+ShardedAdamW (ZeRO-1 over dp for dense parameters, over dp / ep for experts), or with
+train.optimizer muon / muon_sharded from the sharded Muon: one fp32 momentum buffer instead of
+AdamW's two moments for each matrix Muon updates (model/flops.py `muon_matrices`). The activation
 formula is what autograd saves for our block, checked byte for byte against a materialized model
 in tests/test_plan.py. Nothing here imports torch.
 """
@@ -76,6 +78,7 @@ class RankParams:
 
     dense: int
     experts: int
+    dense_muon: int = 0  # of `dense`, the matrices Muon would update (every expert is one)
 
     @property
     def total(self) -> int:
@@ -89,6 +92,9 @@ def rank_params(config: RunConfig, *, pp: int, ep: int, stage: int) -> RankParam
     _, num_dense, num_moe = stage_layers(config, pp, stage)
     experts = num_moe * lp.moe_layer.experts // ep
     dense = num_moe * lp.moe_layer.dense + num_dense * lp.dense_layer.total
+    dense_muon = (
+        num_moe * (lp.moe_layer.muon - lp.moe_layer.experts) + num_dense * lp.dense_layer.muon
+    )
     out = lp.outside
     final_norm = out.total - out.embedding - out.lm_head
     if stage == 0:
@@ -96,7 +102,7 @@ def rank_params(config: RunConfig, *, pp: int, ep: int, stage: int) -> RankParam
     if stage == pp - 1:
         tied_copy = out.embedding if (out.lm_head == 0 and pp > 1) else 0
         dense += final_norm + out.lm_head + tied_copy
-    return RankParams(dense=dense, experts=experts)
+    return RankParams(dense=dense, experts=experts, dense_muon=dense_muon)
 
 
 # ---- optimizer state and activations ---------------------------------------------------------
@@ -131,10 +137,28 @@ def shard_numel(numel: int, shards: int) -> int:
     return -(-numel // (shards * SHARD_ALIGN)) * SHARD_ALIGN
 
 
-def optimizer_shards(params: RankParams, layout: Layout) -> list[tuple[int, int]]:
-    """(shard elements, group size) of each sync group: dense over dp, experts over dp / ep."""
-    groups = ((params.dense, layout.dp), (params.experts, layout.expert_dp))
-    return [(shard_numel(numel, group), group) for numel, group in groups if numel]
+def uses_muon(config: RunConfig) -> bool:
+    return config.train.optimizer in ("muon", "muon_sharded")
+
+
+def optimizer_shards(
+    params: RankParams, layout: Layout, muon: bool = False
+) -> list[tuple[int, int, bool]]:
+    """(shard elements, group size, updated by Muon) of each sync group: dense over dp, experts
+    over dp / ep; with `muon` the dense group's matrices and the experts are Muon's (its whole
+    matrices modeled as flat shards: the same bytes but for the regions' padding)."""
+    dense_muon = params.dense_muon if muon else 0
+    groups = (
+        (params.dense - dense_muon, layout.dp, False),
+        (dense_muon, layout.dp, True),
+        (params.experts, layout.expert_dp, muon),
+    )
+    return [(shard_numel(numel, group), group, m) for numel, group, m in groups if numel]
+
+
+def state_bytes_per_element(b: PrecisionBytes, muon: bool) -> int:
+    """Master and moments of one sharded element: Muon keeps one moment (momentum), AdamW two."""
+    return b.master + (b.moments // 2 if muon else b.moments)
 
 
 def resolved_dispatcher(config: RunConfig, ep: int) -> str:
@@ -287,7 +311,7 @@ class Memory:
 
     params: int
     grads: int
-    optimizer: int  # fp32 master + Adam moments, this rank's ZeRO-1 shards
+    optimizer: int  # fp32 master + Adam moments (Muon: momentum), this rank's ZeRO-1 shards
     activations: int  # in-flight micro-batches x kept bytes
     transient: int
     overhead: int
@@ -310,14 +334,14 @@ def stage_memory(
     activations and the transient (1: eager autograd's bytes; `Cluster.activation_factor`)."""
     b = precision_bytes(config)
     params = rank_params(config, pp=layout.pp, ep=layout.ep, stage=stage)
-    shards = optimizer_shards(params, layout)
+    shards = optimizer_shards(params, layout, uses_muon(config))
     kept, transient = stage_activation_bytes(
         config, layout, stage, microbatch_tokens(config, layout)
     )
     return Memory(
         params=b.param * params.total,
-        grads=b.grad * (params.total + sum(shard for shard, group in shards if group > 1)),
-        optimizer=(b.master + b.moments) * sum(shard for shard, _ in shards),
+        grads=b.grad * (params.total + sum(shard for shard, group, _ in shards if group > 1)),
+        optimizer=sum(shard * state_bytes_per_element(b, muon) for shard, _, muon in shards),
         activations=int(
             in_flight_microbatches(layout, stage, num_micro) * kept * activation_factor
         ),

@@ -1,6 +1,7 @@
 """Time and traffic of one pipeline stage: a roofline model, nothing overlapped (docs/plan.md,
 "Time model"). Per micro-batch: products, elementwise kernels, expert all-to-alls and pipeline
-sends; per step: the distributed optimizer's reduce-scatter + all-gather and its update.
+sends; per step: the distributed optimizer's reduce-scatter + all-gather and its update (with
+Muon, its Newton-Schulz products too).
 `search.estimate` adds the pipeline bubble of the schedule and combines the stages.
 """
 
@@ -10,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from moetrain.config import RunConfig
+from moetrain.model.flops import muon_block_flops
 from moetrain.tools.plan.layout import (
     GIB,
     INTERLEAVED_CHUNKS,
@@ -31,6 +33,8 @@ from moetrain.tools.plan.memory import (
     rank_params,
     recomputed_swiglu_bytes,
     stage_memory,
+    state_bytes_per_element,
+    uses_muon,
 )
 
 ELEMENTWISE_PASSES = 4  # saved bytes: written in forward, read in backward; their gradient too
@@ -275,13 +279,34 @@ def _grad_sync(
     return intra, inter, seconds
 
 
-def _optimizer_s(config: RunConfig, cluster: Cluster, layout: Layout, params: RankParams) -> float:
+def _optimizer_s(
+    config: RunConfig, cluster: Cluster, layout: Layout, params: RankParams, stage: int
+) -> float:
     """The update of this rank's shards: read master, moments and gradient shard; write master,
-    moments and the bf16 parameter."""
+    moments and the bf16 parameter; with Muon also its Newton-Schulz products at the dense
+    matmul rate."""
     b = precision_bytes(config)
-    shards = sum(shard for shard, _ in optimizer_shards(params, layout))
-    optimizer_bytes = shards * (2 * (b.master + b.moments) + b.grad + b.param)
-    return optimizer_bytes / cluster.hbm_bps
+    optimizer_bytes = sum(
+        shard * (2 * state_bytes_per_element(b, muon) + b.grad + b.param)
+        for shard, _, muon in optimizer_shards(params, layout, uses_muon(config))
+    )
+    matmul_rate = cluster.gpu.bf16_tflops * 1e12 * cluster.matmul_efficiency
+    return optimizer_bytes / cluster.hbm_bps + rank_muon_flops(config, layout, stage) / matmul_rate
+
+
+def rank_muon_flops(config: RunConfig, layout: Layout, stage: int) -> int:
+    """Newton-Schulz FLOPs of one optimizer step on a rank of `stage` (0 without Muon): the
+    stage's dense matrices and its 1 / ep of the experts; muon_sharded divides them over dp
+    and dp / ep (each rank orthogonalizes the matrices it owns)."""
+    if not uses_muon(config):
+        return 0
+    _, num_dense, num_moe = stage_layers(config, layout.pp, stage)
+    dense = num_moe * muon_block_flops(config, "moe")
+    dense += num_dense * muon_block_flops(config, "dense")
+    experts = num_moe * muon_block_flops(config, "experts") // layout.ep
+    if config.train.optimizer == "muon_sharded":
+        return dense // layout.dp + experts // layout.expert_dp
+    return dense + experts
 
 
 def stage_estimate(
@@ -321,5 +346,5 @@ def stage_estimate(
         microbatch_comm_s=a2a_s + p2p_s,
         microbatch_all_to_all_s=a2a_s,
         grad_sync_s=sync_s,
-        optimizer_s=_optimizer_s(config, cluster, layout, params),
+        optimizer_s=_optimizer_s(config, cluster, layout, params, stage),
     )
