@@ -6,11 +6,22 @@ import pytest
 import torch
 
 from moetrain.config.presets import small
-from moetrain.optim.newton_schulz import newton_schulz, newton_schulz_reference
+from moetrain.optim.newton_schulz import QUINTIC, newton_schulz, newton_schulz_reference
 
 pytestmark = pytest.mark.gpu
 
 BF16_REL = 4e-2  # tests/optim/test_muon.py: measured 1.4-1.9% per orthogonalization on the CPU
+
+
+def _quintic_peak() -> float:
+    """The largest value a * x + b * x^3 + c * x^5 takes on [0, 1]: no singular value of an
+    iterate whose values lie in [0, 1] can leave [0, peak] (about 1.2025) in exact arithmetic."""
+    a, b, c = QUINTIC
+    x = torch.linspace(0, 1, 100_001, dtype=torch.float64)
+    return float((a * x + b * x**3 + c * x**5).max())
+
+
+SV_MAX = _quintic_peak() * (1 + 2**-6)  # plus bf16 rounding of the last product
 
 
 @pytest.mark.parametrize("shape", [(16, 1024, 512), (8, 512, 1024), (4, 1024, 1024)])
@@ -26,7 +37,7 @@ def test_newton_schulz_on_cuda_matches_the_fp32_reference(shape):
         # the quintic's band, whose floor a square Gaussian matrix's smallest values are below
         sv = torch.linalg.svdvals(fast_m.float())
         low = 0.65 if shape[1] != shape[2] else 0.0
-        assert low <= sv.min() and sv.max() <= 1.2, (sv.min().item(), sv.max().item())
+        assert low <= sv.min() and sv.max() <= SV_MAX, (sv.min().item(), sv.max().item())
 
 
 def _config(optimizer: str, *extra: str):
