@@ -1,7 +1,7 @@
 """The optimizer step of Muon against AdamW on one GPU, and Muon's share of a whole step.
 
     python benchmarks/muon_step.py [--presets small,olmoe8,scale-E128] [--whole-step olmoe8]
-        [--micro-batches 32] [--steps 5] [--json OUT.jsonl]
+        [--micro-batches 32] [--steps 5] [--set model.num_layers=4 ...] [--json OUT.jsonl]
 
 Per preset and optimizer (train.optimizer adamw, then muon; bf16 parameters, fp32 masters, the
 Triton AdamW kernel: `moetrain bench`'s "mixed"), the trainer is built as `moetrain bench` builds
@@ -12,7 +12,9 @@ it (random tokens, 3 warm-up steps, its step captured as a CUDA graph where it c
 - Muon's Newton-Schulz alone: the batches its step forms, timed, against model/flops.py's count;
 - for the presets in --whole-step, the whole graphed step with --micro-batches accumulation
   micro-batches, both optimizers, and Muon's added share of it.
-Prints a markdown table; --json appends one record per preset and optimizer.
+--set applies config overrides to every preset (e.g. fewer layers where a GPU's memory holds
+only part of a preset; each record names them). Prints a markdown table; --json appends one
+record per preset and optimizer.
 """
 
 from __future__ import annotations
@@ -84,8 +86,9 @@ def newton_schulz_ms(optimizer: Muon, steps: int) -> float:
 
 
 def measure(preset: str, optimizer: str, args: argparse.Namespace) -> dict:
-    config = get_preset(preset).with_overrides([f"train.optimizer={optimizer}"])
+    config = get_preset(preset).with_overrides([*args.set, f"train.optimizer={optimizer}"])
     record: dict = {"preset": preset, "optimizer": optimizer, "gpu": torch.cuda.get_device_name()}
+    record["overrides"] = list(args.set)
     micro = args.micro_batches if preset in args.whole_step.split(",") else 1
     with warmed_trainer(config, "mixed", micro_batches=micro) as (trainer, it):
         graph = trainer.step_graph
@@ -110,6 +113,7 @@ def main() -> None:
     parser.add_argument("--whole-step", default="olmoe8", help="presets timed as whole steps")
     parser.add_argument("--micro-batches", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--set", action="append", default=[], help="a config override")
     parser.add_argument("--json", default=None, help="append one JSON record per run here")
     args = parser.parse_args()
     records = []
