@@ -113,7 +113,7 @@ def grouped_rows(rows_n: int, experts: int, d: int, f: int, reps: int) -> list[d
     g = torch.randn(rows_n, f, device="cuda", generator=gen)
     want = fwd_bwd(lambda a, b: torch._grouped_mm(a, b, offs=offs), x, w, g)()
     x, w, g = x.bfloat16(), w.bfloat16(), g.bfloat16()
-    ours = FP8RowwiseGroupedGemm("cuda")
+    ours = FP8RowwiseGroupedGemm()
     kinds = {
         "bf16": (lambda a, b: torch._grouped_mm(a, b, offs=offs), w),
         "moetrain fp8": (lambda a, b: ours(a, b, offs), w),

@@ -79,3 +79,25 @@ def test_the_rank_model_has_one_ranks_experts_and_rows(gpus):
         assert per_expert.tolist() == [gpus * T * K // E] * num_local
     # the router still chooses among all E experts
     assert all(layer.router.gate.weight.shape[0] == E for layer in model.moe_layers())
+
+
+def test_the_rank_model_keeps_the_precision_plan():
+    """The transform runs after the recipe installed the precision plan: its dispatchers move
+    the rows with the plan's payload and hand the FP8 experts the rows they quantized."""
+    from moetrain.moe.payload import FP8_PAYLOAD
+    from moetrain.parallel.mesh import ParallelDims
+    from moetrain.parallel.parallelize import parallelize
+    from moetrain.parallel.precision import resolve_precision
+
+    config = tiny().with_overrides(["precision.experts=fp8_rowwise", "precision.dispatch=fp8"])
+    plan = resolve_precision(config, torch.device("cpu"))
+    with torch.device("meta"):
+        model = Transformer(config)
+    parallelize(model, config, ParallelDims(local_rank=0, device=torch.device("cpu")), plan)
+    rank_transform(2)(model)
+    for layer in model.moe_layers():
+        assert layer.dispatcher.payload is FP8_PAYLOAD
+        x = torch.randn(6, config.model.d_model)
+        rows, _, handle = layer.dispatcher.dispatch(x, TopKRouter(x.shape[1], 8, 2)(x))
+        q, scale = handle.rows_fp8
+        assert q.shape == rows.shape and scale.shape == rows.shape[:1]

@@ -22,7 +22,7 @@ from moetrain.config import RunConfig
 from moetrain.moe.layer import MoELayer
 from moetrain.nn.attention import Attention
 from moetrain.nn.document_mask import DocumentMask
-from moetrain.nn.loss import chunked_linear_cross_entropy
+from moetrain.nn.loss import BF16HeadProducts, HeadProducts, chunked_linear_cross_entropy
 from moetrain.nn.mlp import SwiGLU
 from moetrain.nn.norm import RMSNorm
 from moetrain.nn.rope import RotaryEmbedding
@@ -91,9 +91,8 @@ class Transformer(nn.Module):
         self.lm_head: nn.Linear | None = (
             None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
         )
-        # precision.lm_head=fp8_rowwise: "fp8" or "fp8-emulated" (nn.loss); set at build time
-        self.lm_head_fp8: str | None = None
-        self.lm_head_fp8_fast_accum = True
+        # the LM head's products in the loss (nn/loss.py; precision.lm_head)
+        self.head_products: HeadProducts = BF16HeadProducts()
 
     def forward(
         self, tokens_or_hidden: torch.Tensor, input_ids: torch.Tensor | None = None
@@ -137,8 +136,7 @@ class Transformer(nn.Module):
             h_BSD.reshape(-1, D),
             self.head_weight(),
             targets_BS.reshape(-1),
-            fp8=self.lm_head_fp8,
-            fast_accum=self.lm_head_fp8_fast_accum,
+            products=self.head_products,
         )
 
     def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ unwritten. Each route's result is weighted by its router weight and a token's K 
 a dropped route contributes zero. With `handle.row_weights_N` the experts apply the weights
 (inside the SwiGLU) and `combine` only sums, keeping no expert outputs for its backward
 (LocalDispatcher); with None `combine` weights (the EP dispatchers, whose rows cross ranks
-without them). `handle.rows_fp8`: the rows already in row-scaled FP8, or None. The MoE layer
+without them). `handle.rows_fp8`: the rows already in row-scaled FP8, or (None, None); `payload`:
+what the rows travel as (moe/payload.py; the precision plan installs it). The MoE layer
 sees only this interface; expert parallelism swaps in dispatchers that move rows between ranks.
 
 moe.overlap runs both in halves so compute runs while rows move: `dispatch_begin(x_TD, routing)`
@@ -22,26 +23,29 @@ launches the movement, `dispatch_end(pending)` waits for it on the device (and `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from moetrain.kernels.gather import gather_routes, sum_routes, weighted_sum_reference
-from moetrain.moe.payload import check_payload, fp8_round_trip
+from moetrain.moe.experts import NO_FP8_ROWS, FP8Rows
+from moetrain.moe.payload import BF16_PAYLOAD, Payload
 from moetrain.moe.router import RoutingResult
-from moetrain.nn.fp8 import quantize_rows_opaque
 
 
 class DispatchHandle(Protocol):
     # the router weight of each row, for the experts to apply; None: combine applies them
     row_weights_N: torch.Tensor | None
     # the rows in row-scaled FP8 (q e4m3, fp32 scale per row), exactly `quantize_rows(rows)`;
-    # None: the experts quantize the rows themselves if they need to
-    rows_fp8: tuple[torch.Tensor, torch.Tensor] | None
+    # (None, None): the experts quantize the rows themselves if they need to
+    rows_fp8: FP8Rows
 
 
 class Dispatcher(Protocol):
+    payload: Payload  # what the dispatched rows travel as (precision.dispatch)
+
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]: ...
@@ -62,35 +66,43 @@ class LocalHandle:
     order_N: torch.Tensor  # flat (token, k) route index of each expert-ordered row
     inverse_order_TK: torch.Tensor  # position in the expert-ordered rows of each (token, k) route
     row_weights_N: torch.Tensor  # router weight of each row (the experts apply it)
-    rows_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # with `fp8_rows`
+    rows_fp8: FP8Rows = NO_FP8_ROWS  # `quantized_rows`'
+
+
+def no_quantized_rows(x_TD: torch.Tensor, order_N: torch.Tensor, top_k: int) -> FP8Rows:
+    return NO_FP8_ROWS
 
 
 class LocalDispatcher:
     """All experts on this device. A stable sort of the T*K routes by expert id gives the row
     order (deterministic); the rows move by kernels/gather.py. The experts apply the router
-    weights, so `combine` keeps no (T*K, D) expert outputs for its backward. `payload="fp8"`
-    applies only the FP8 rounding (to the T token rows, before the K-fold gather), so numerics do
-    not depend on expert parallelism. `fp8_rows` (FP8 experts): the handle also carries the rows
-    in row-scaled FP8, the T token rows quantized once and gathered as bytes, bit for bit the
-    quantization of the T*K rows."""
+    weights, so `combine` keeps no (T*K, D) expert outputs for its backward. The payload's
+    `round_trip` applies only its rounding (to the T token rows, before the K-fold gather), so
+    numerics do not depend on expert parallelism. `quantized_rows` (the experts' GEMM's, set
+    with it: `GroupedGemm.quantized_rows`) gives the handle's `rows_fp8` from the T token rows
+    and the row order: for FP8 experts the T rows quantized once and gathered as bytes, bit for
+    bit the quantization of the T*K rows."""
 
-    def __init__(self, payload: str = "bf16", fp8_rows: bool = False) -> None:
-        self.payload = check_payload(payload)
-        self.fp8_rows = fp8_rows
+    def __init__(
+        self,
+        payload: Payload = BF16_PAYLOAD,
+        quantized_rows: Callable[[torch.Tensor, torch.Tensor, int], FP8Rows] = no_quantized_rows,
+    ) -> None:
+        self.payload = payload
+        self.quantized_rows = quantized_rows
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult
     ) -> tuple[torch.Tensor, torch.Tensor, LocalHandle]:
         num_tokens, top_k = routing.expert_ids_TK.shape
-        if self.payload == "fp8":
-            x_TD = fp8_round_trip(x_TD)
+        x_TD = self.payload.round_trip(x_TD)
         num_experts = routing.tokens_per_expert_E.shape[0]
         order_N = sort_routes(routing.expert_ids_TK.reshape(-1), num_experts)
         inverse_TK = inverse_permutation(order_N).view(num_tokens, top_k)
         rows_ND = gather_routes(x_TD, order_N, inverse_TK)
         offsets_e = routing.tokens_per_expert_E.cumsum(0).to(torch.int32)
         row_weights_N = gather_rows(routing.weights_TK.reshape(-1), order_N, inverse_TK.view(-1))
-        rows_fp8 = gather_fp8_rows(x_TD, order_N // top_k) if self.fp8_rows else None
+        rows_fp8 = self.quantized_rows(x_TD, order_N, top_k)
         return rows_ND, offsets_e, LocalHandle(order_N, inverse_TK, row_weights_N, rows_fp8)
 
     def combine(self, y_ND: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
@@ -108,15 +120,6 @@ class LocalDispatcher:
 
     def combine_end(self, pending):
         return pending
-
-
-def gather_fp8_rows(x_TD: torch.Tensor, token_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale) of the rows x_TD[token_N] in row-scaled FP8: the T rows quantized, then their
-    bytes and scales gathered. The quantizer is the FP8 experts' own, compiled or not, so the
-    bits are theirs. Not differentiable."""
-    q_TD, scale_T = quantize_rows_opaque(x_TD.detach())
-    q_ND = q_TD.view(torch.uint8)[token_N].view(q_TD.dtype)
-    return q_ND, scale_T[token_N]
 
 
 def sort_routes(expert_ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:

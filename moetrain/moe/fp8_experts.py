@@ -3,7 +3,8 @@ the kernels that produce the rows.
 
 Letters: N rows (grouped by expert), D model dim, F expert hidden, e local experts.
 
-    h_N2F = x_ND @ w_up_eD2F          FP8: x's rows quantized by the dispatcher, or here
+    h_N2F = x_ND @ w_up_eD2F          FP8: x's rows quantized by the dispatcher
+                                      (`gather_fp8_rows`), or here
     a_NF  = w_N * silu(gate) * up     the SwiGLU kernel writes a's rows in FP8 only
     y_ND  = a_NF @ w_down_eFD         FP8
 backward:
@@ -32,7 +33,7 @@ import torch
 from moetrain.kernels.swiglu import swiglu_fp8, swiglu_fp8_backward
 from moetrain.moe.experts import grouped_mm_weight_grad
 from moetrain.moe.fp8_ops import quantized_weight, scaled_grouped_mm
-from moetrain.nn.fp8 import quantize_rows
+from moetrain.nn.fp8 import quantize_rows, quantize_rows_opaque
 
 
 class FP8ExpertsInputs(NamedTuple):
@@ -153,3 +154,12 @@ def _backward(ctx, grad_y_ND, _grad_h):
 
 
 _forward.register_autograd(_backward, setup_context=_setup)
+
+
+def gather_fp8_rows(x_TD: torch.Tensor, token_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of the rows x_TD[token_N] in row-scaled FP8: the T rows quantized, then their
+    bytes and scales gathered (bit for bit the quantization of the gathered rows). The quantizer
+    is the op's own, compiled or not, so the bits are its. Not differentiable."""
+    q_TD, scale_T = quantize_rows_opaque(x_TD.detach())
+    q_ND = q_TD.view(torch.uint8)[token_N].view(q_TD.dtype)
+    return q_ND, scale_T[token_N]

@@ -12,14 +12,20 @@ from __future__ import annotations
 import torch
 
 from moetrain.kernels import quant
-from moetrain.moe.experts import check_grouped_inputs, grouped_mm, grouped_mm_weight_grad
+from moetrain.moe.experts import (
+    GroupedGemm,
+    check_grouped_inputs,
+    grouped_mm,
+    grouped_mm_weight_grad,
+)
 
 
-class MXFP8EmulatedGroupedGemm:
+class MXFP8EmulatedGroupedGemm(GroupedGemm):
     """Forward x along D, w along D; input grad gy along F, w along F; weight grad x and gy along
     the token dim. Token blocks are aligned to the global row index, so a block may straddle two
     experts (a hardware kernel would pad each group to 32 rows instead); padding rows are zeroed
-    first so they cannot leak into a real row's scale. Needs D and F to be multiples of 32.
+    first so they cannot leak into a real row's scale. Needs D and F to be multiples of 32. The
+    MLP is composed of two such products and `swiglu` (`GroupedGemm.mlp`).
     """
 
     name = "mxfp8 (emulation)"

@@ -1,28 +1,40 @@
-"""FP8 payload for dispatched rows (`precision.dispatch = fp8`).
+"""The payloads dispatched rows travel in (`precision.dispatch`): what a dispatcher and the
+collectives under it (parallel/comm.py) run on the rows, installed by the precision plan.
 
-Dispatched rows travel as one uint8 row of D e4m3 bytes plus the fp32 row scale (row-scaled FP8),
-about half of bf16's bytes, and are dequantized on arrival. Only the forward dispatch travels in
-FP8; the combine and gradients travel in the activations' dtype, the rounding straight-through
-(DeepSeek-V3's recipe).
+A payload `encode`s rows for the wire and `decode`s them on arrival (in the activations' dtype);
+`loop_back` is what a group of one hands back (encoded and decoded, nothing moved), `round_trip`
+the rounding alone, for a dispatcher whose rows never leave the device. Both are
+straight-through in backward.
+- `BF16Payload`: the activations' own dtype (bf16 in training); every method is the identity.
+- `FP8Payload`: one uint8 row of D e4m3 bytes plus the fp32 row scale (row-scaled FP8), about
+  half of bf16's bytes. Only the forward dispatch travels in FP8; the combine and gradients
+  travel in the activations' dtype, the rounding straight-through (DeepSeek-V3's recipe).
 
-Letters: R rows, D model dim.
+Letters: R rows, D model dim, B bytes of a packed row.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from moetrain.kernels import quant
 from moetrain.nn.fp8 import quantize_rows
 
-PAYLOADS = ("bf16", "fp8")
 SCALE_BYTES = 4  # one float32 per row
 
 
-def check_payload(payload: str) -> str:
-    if payload not in PAYLOADS:
-        raise ValueError(f"dispatch payload must be one of {PAYLOADS}, got {payload!r}")
-    return payload
+class Payload(Protocol):
+    name: str
+
+    def encode(self, x_RD: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, packed_RB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def loop_back(self, x_RD: torch.Tensor) -> torch.Tensor: ...
+
+    def round_trip(self, x_RD: torch.Tensor) -> torch.Tensor: ...
 
 
 def encode_fp8_rows(x_RD: torch.Tensor) -> torch.Tensor:
@@ -62,3 +74,54 @@ def fp8_round_trip(x_RD: torch.Tensor) -> torch.Tensor:
     the device (one rank, LocalDispatcher): the experts see the same values as under expert
     parallelism, so a run's numerics do not depend on its layout."""
     return _FP8RoundTrip.apply(x_RD)
+
+
+class _FP8LoopBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD):  # type: ignore[override]
+        return decode_fp8_rows(encode_fp8_rows(x_RD), x_RD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_RD):  # type: ignore[override]
+        return grad_RD
+
+
+class BF16Payload:
+    """Rows travel in the activations' own dtype."""
+
+    name = "bf16"
+
+    def encode(self, x_RD: torch.Tensor) -> torch.Tensor:
+        return x_RD
+
+    def decode(self, packed_RB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return packed_RB
+
+    def loop_back(self, x_RD: torch.Tensor) -> torch.Tensor:
+        return x_RD
+
+    def round_trip(self, x_RD: torch.Tensor) -> torch.Tensor:
+        return x_RD
+
+
+class FP8Payload:
+    """Rows travel row-scaled FP8 (`encode_fp8_rows`), dequantized on arrival."""
+
+    name = "fp8"
+
+    def encode(self, x_RD: torch.Tensor) -> torch.Tensor:
+        return encode_fp8_rows(x_RD)
+
+    def decode(self, packed_RB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return decode_fp8_rows(packed_RB, dtype)
+
+    def loop_back(self, x_RD: torch.Tensor) -> torch.Tensor:
+        """The packed rows decoded again, as an exchange within a group of one returns them."""
+        return _FP8LoopBack.apply(x_RD)
+
+    def round_trip(self, x_RD: torch.Tensor) -> torch.Tensor:
+        return fp8_round_trip(x_RD)
+
+
+BF16_PAYLOAD = BF16Payload()
+FP8_PAYLOAD = FP8Payload()

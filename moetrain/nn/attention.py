@@ -3,8 +3,9 @@
 Shapes: B batch, S sequence, D d_model, N query heads, G key/value heads, H head dim.
 qk-norm (OLMoE) is an RMSNorm over the full q and k projections, before the heads are split.
 q, k and v come from one GEMM against the three projection weights, which stay three parameters
-(as in Hugging Face checkpoints) and are concatenated in forward and backward (`concat_linear`)
-rather than kept concatenated (a D x C copy per layer and micro-batch in flight). On CUDA with
+(as in Hugging Face checkpoints) and are concatenated in forward and backward (`gemm.stacked`,
+nn/linear.py) rather than kept concatenated (a D x C copy per layer and micro-batch in flight).
+The projections run on `gemm`, the backend the precision plan installs (bf16 by default). On CUDA with
 Triton, qk-norm and RoPE run fused (kernels/qk_norm_rope_triton.py, fp32 math rounded once);
 the torch path rounds between norm and RoPE. `qk_norm_rope_reference` is the fused op's twin.
 SDPA runs flash or cuDNN on GPU (the backend can be pinned). Given a `DocumentMask`
@@ -22,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moetrain.kernels import qk_norm_rope_triton
 from moetrain.nn.document_mask import DocumentMask
-from moetrain.nn.fp8 import fp8_linear
+from moetrain.nn.linear import BF16Linear, LinearGemm
 from moetrain.nn.norm import RMSNorm, rms_norm_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope
 
@@ -61,29 +62,6 @@ def qk_norm_rope_reference(
     return y_BNSH.transpose(1, 2).reshape(B, S, D).to(x_BSD.dtype)
 
 
-class _ConcatLinear(torch.autograd.Function):
-    """x @ cat(weights).T, saving x and the weights themselves (not their concatenation)."""
-
-    @staticmethod
-    def forward(ctx, x, *weights):  # type: ignore[override]
-        ctx.save_for_backward(x, *weights)
-        return F.linear(x, torch.cat(weights))
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        x, *weights = ctx.saved_tensors
-        grad_x = grad_out @ torch.cat(weights) if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[1:]):
-            return grad_x, *(None for _ in weights)
-        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-        return grad_x, *grad_w.split([w.shape[0] for w in weights])
-
-
-def concat_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    """One GEMM against several nn.Linear weights stacked along their output dim."""
-    return _ConcatLinear.apply(x, *weights)
-
-
 class Attention(nn.Module):
     def __init__(
         self,
@@ -108,23 +86,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(num_heads * head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps) if qk_norm else None
         self.rope = RotaryEmbedding(head_dim, rope_theta, max_positions)
-        self.fp8: str | None = None  # "fp8" or "fp8-emulated": projections in FP8 (nn.fp8)
-        self.fp8_fast_accum = True  # precision.fp8_fast_accum
-
-    def project(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        """x @ cat(weights).T in the projections' precision (bf16, or FP8 row-scaled)."""
-        if self.fp8 is None:
-            return concat_linear(x, weights)
-        return fp8_linear(
-            x, weights, emulate=self.fp8 == "fp8-emulated", fast_accum=self.fp8_fast_accum
-        )
+        self.gemm: LinearGemm = BF16Linear()  # the projections' GEMM (precision.linear)
 
     def forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
         """Causal attention over the whole row, or within each of its `documents`."""
         B, S, _ = x_BSD.shape
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         positions_BS = documents.positions_BS if documents is not None else None
-        q_BNSH, k_BGSH, v_BGSH = self._heads(self.project(x_BSD, weights), positions_BS)
+        q_BNSH, k_BGSH, v_BGSH = self._heads(self.gemm.stacked(x_BSD, weights), positions_BS)
         with self._kernel_choice(x_BSD.device):
             if documents is not None:
                 out_BNSH = documents.attend(q_BNSH, k_BGSH, v_BGSH)
@@ -137,9 +106,7 @@ class Attention(nn.Module):
                     enable_gqa=self.num_kv_heads != self.num_heads,
                 )
         out_BSC = out_BNSH.transpose(1, 2).reshape(B, S, -1)
-        if self.fp8 is None:
-            return self.o_proj(out_BSC)
-        return self.project(out_BSC, [self.o_proj.weight])
+        return self.gemm(out_BSC, self.o_proj.weight)
 
     def _heads(
         self, qkv_BSC: torch.Tensor, positions_BS: torch.Tensor | None = None

@@ -8,12 +8,17 @@ never T x V logits. The head's gradient accumulates in the GEMM (addmm; the firs
 The chunk's loss and softmax-minus-onehot: kernels/cross_entropy_triton.py on CUDA with Triton,
 else its twin `_chunk_loss_and_grad` (compiled on CUDA).
 
-`fp8="fp8"` (`precision.lm_head=fp8_rowwise`) takes logits and input gradient as FP8 row-scaled
-products (`nn.fp8.scaled_mm`), the weight quantized once a call in both layouts; the weight
-gradient stays bf16. "fp8-emulated": the same numerics in fp32 math.
+The two token-side products (logits h @ w^T, input gradient grad @ w) run on `products`, the
+LM head's backend the precision plan installs (`precision.lm_head`): `BF16HeadProducts` in the
+inputs' dtype, or `FP8HeadProducts`, FP8 row-scaled (`nn.fp8.scaled_mm`) with the weight quantized
+once a call in both layouts, on tensor cores or `emulate`d in fp32; the weight gradient stays in
+the inputs' dtype either way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +59,62 @@ def _chunk_fn(device: torch.device, dtype: torch.dtype):
     return _compiled_torch_chunk()
 
 
+class HeadProducts(Protocol):
+    """The head's token-side products: `prepare(w_VD, need_h)` readies the weight once a call
+    (for the input gradient too if `need_h`), `logits` (h @ w^T) and `grad_h` (grad @ w) take
+    what it returned with each chunk and return `dtype`."""
+
+    name: str
+
+    def prepare(self, w_VD: torch.Tensor, need_h: bool) -> Any: ...
+
+    def logits(self, w: Any, h_CD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def grad_h(self, w: Any, grad_CV: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class BF16HeadProducts:
+    """The head's products in the inputs' dtype."""
+
+    name = "bf16"
+
+    def prepare(self, w_VD: torch.Tensor, need_h: bool) -> torch.Tensor:
+        return w_VD
+
+    def logits(self, w_VD: torch.Tensor, h_CD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return h_CD @ w_VD.T
+
+    def grad_h(self, w_VD: torch.Tensor, grad_CV: torch.Tensor, dtype: torch.dtype):
+        return grad_CV @ w_VD
+
+
+BF16_HEAD_PRODUCTS = BF16HeadProducts()
+
+
+@dataclass(frozen=True)
+class FP8HeadProducts:
+    """FP8 row-scaled products: the weight quantized per vocabulary row along D (logits) and per
+    column along V (input gradient), once for all chunks; `fast_accum`: the kernels' fast
+    accumulation (precision.fp8_fast_accum); D and V multiples of 16."""
+
+    emulate: bool
+    fast_accum: bool = True
+    name = "fp8_rowwise"
+
+    def prepare(self, w_VD: torch.Tensor, need_h: bool):
+        w_rows = quantize_rows(w_VD)  # per vocabulary row, along D
+        return w_rows, quantize_rows_of_transpose(w_VD) if need_h else None  # along V
+
+    def logits(self, w, h_CD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return scaled_mm(*quantize_rows(h_CD), *w[0], dtype, self.emulate, self.fast_accum)
+
+    def grad_h(self, w, grad_CV: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return scaled_mm(*quantize_rows(grad_CV), *w[1], dtype, self.emulate, self.fast_accum)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, w_VD, targets_T, chunk_size: int, fp8, fast_accum):  # type: ignore[override]
+    def forward(ctx, h_TD, w_VD, targets_T, chunk_size: int, products: HeadProducts):  # type: ignore[override]
         num_tokens = h_TD.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc_dtype = torch.promote_types(h_TD.dtype, torch.float32)  # fp32, or fp64 in tests
@@ -66,17 +124,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_w_VD = torch.empty_like(w_VD) if num_tokens else torch.zeros_like(w_VD)
         loss_sum = torch.zeros((), dtype=acc_dtype, device=h_TD.device)
         chunk_loss_and_grad = _chunk_fn(h_TD.device, h_TD.dtype)  # the logits' device and dtype
-        products = _Products(w_VD, need_h, fp8, fast_accum, h_TD.dtype)
+        w = products.prepare(w_VD, need_h)
         for start in range(0, num_tokens, chunk_size):
             h_CD = h_TD[start : start + chunk_size]
-            logits_CV = products.logits(h_CD)
+            logits_CV = products.logits(w, h_CD, h_TD.dtype)
             loss, grad_CV = chunk_loss_and_grad(
                 logits_CV, targets_T[start : start + chunk_size], 1.0 / num_tokens
             )
             del logits_CV
             loss_sum += loss
             if need_h:
-                grad_h_TD[start : start + chunk_size] = products.grad_h(grad_CV)
+                grad_h_TD[start : start + chunk_size] = products.grad_h(w, grad_CV, h_TD.dtype)
             if need_w and start == 0:  # the first chunk writes, no zero-filled buffer to read
                 torch.mm(grad_CV.T, h_CD, out=grad_w_VD)
             elif need_w:  # accumulated in the weight's dtype inside the GEMM (beta = 1)
@@ -89,33 +147,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
         grad_h = grad_h_TD * grad_loss.to(grad_h_TD.dtype) if grad_h_TD is not None else None
         grad_w = grad_w_VD * grad_loss.to(grad_w_VD.dtype) if grad_w_VD is not None else None
-        return grad_h, grad_w, None, None, None, None
-
-
-class _Products:
-    """The head's two token-side products, h @ w^T and grad @ w: bf16 (or the inputs' dtype),
-    or FP8 row-scaled with the weight quantized once for all chunks."""
-
-    def __init__(self, w_VD, need_h: bool, fp8: str | None, fast_accum: bool, dtype) -> None:
-        self.w_VD, self.fp8, self.fast_accum, self.dtype = w_VD, fp8, fast_accum, dtype
-        self.emulate = fp8 == "fp8-emulated"
-        if fp8 is not None:
-            self.w_rows = quantize_rows(w_VD)  # per vocabulary row, along D
-            self.w_columns = quantize_rows_of_transpose(w_VD) if need_h else None  # along V
-
-    def logits(self, h_CD: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is None:
-            return h_CD @ self.w_VD.T
-        return scaled_mm(
-            *quantize_rows(h_CD), *self.w_rows, self.dtype, self.emulate, self.fast_accum
-        )
-
-    def grad_h(self, grad_CV: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is None:
-            return grad_CV @ self.w_VD
-        return scaled_mm(
-            *quantize_rows(grad_CV), *self.w_columns, self.dtype, self.emulate, self.fast_accum
-        )
+        return grad_h, grad_w, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -124,15 +156,11 @@ def chunked_linear_cross_entropy(
     targets_T: torch.Tensor,
     chunk_size: int = 4096,
     *,
-    fp8: str | None = None,
-    fast_accum: bool = True,
+    products: HeadProducts = BF16_HEAD_PRODUCTS,
 ) -> torch.Tensor:
-    """Mean cross-entropy of the logits h_TD @ w_VD.T against targets_T, as an fp32 scalar.
-    `fp8`: None (products in the inputs' dtype), "fp8" (FP8 tensor cores, with the kernel's fast
-    accumulation unless `fast_accum=False`) or "fp8-emulated"; D and V multiples of 16."""
-    if fp8 not in (None, "fp8", "fp8-emulated"):
-        raise ValueError(f"fp8 must be None, 'fp8' or 'fp8-emulated', got {fp8!r}")
-    return _ChunkedLinearCrossEntropy.apply(h_TD, w_VD, targets_T, chunk_size, fp8, fast_accum)
+    """Mean cross-entropy of the logits h_TD @ w_VD.T against targets_T, as an fp32 scalar, with
+    the head's two token-side products on `products`."""
+    return _ChunkedLinearCrossEntropy.apply(h_TD, w_VD, targets_T, chunk_size, products)
 
 
 def linear_cross_entropy_reference(

@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up fused in one matrix."""
+"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up fused in one matrix; both
+products on `gemm`, the backend the precision plan installs (nn/linear.py; bf16 by default)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.nn.fp8 import fp8_linear
+from moetrain.nn.linear import BF16Linear, LinearGemm
 
 
 class SwiGLU(nn.Module):
@@ -15,13 +16,8 @@ class SwiGLU(nn.Module):
         self.hidden = hidden
         self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
         self.w_down = nn.Linear(hidden, d_model, bias=False)
-        self.fp8: str | None = None  # "fp8" or "fp8-emulated": both products in FP8 (nn.fp8)
-        self.fp8_fast_accum = True  # precision.fp8_fast_accum
+        self.gemm: LinearGemm = BF16Linear()  # precision.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is None:
-            gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-            return self.w_down(F.silu(gate) * up)
-        kw = dict(emulate=self.fp8 == "fp8-emulated", fast_accum=self.fp8_fast_accum)
-        gate, up = fp8_linear(x, [self.w_gate_up.weight], **kw).chunk(2, dim=-1)
-        return fp8_linear(F.silu(gate) * up, [self.w_down.weight], **kw)
+        gate, up = self.gemm(x, self.w_gate_up.weight).chunk(2, dim=-1)
+        return self.gemm(F.silu(gate) * up, self.w_down.weight)

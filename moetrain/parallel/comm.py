@@ -3,8 +3,8 @@
 Letters: R rows, D model dim, E experts, G ranks in the group. `all_to_all` (exact splits),
 `exchange_blocks` (equal splits) and `AsyncExchange` (the same in two halves, for
 moe.overlap=two_chunk: docs/design.md "Overlap") move rows with autograd; `sink_rows` zero rows
-appended to the output catch padding, and `payload="fp8"` sends rows FP8-quantized (moe/payload.py;
-the gradient returns unquantized). The counts exchanges carry no gradient. `group=None` is a
+appended to the output catch padding, and `payload` says what the rows travel as (moe/payload.py:
+FP8_PAYLOAD sends them FP8-quantized, the gradient returning unquantized). The counts exchanges carry no gradient. `group=None` is a
 group of one (world size 1 runs the same code); nothing reads device values on the host.
 
 Under torch.compile the static-shape ones (`exchange_blocks`, `all_gather_counts`,
@@ -23,7 +23,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
 from moetrain.dist_compat import all_gather_flat, functional_all_gather, group_size
-from moetrain.moe.payload import check_payload, decode_fp8_rows, encode_fp8_rows
+from moetrain.moe.payload import BF16_PAYLOAD, Payload
 
 
 @torch.compiler.disable
@@ -33,13 +33,13 @@ def all_to_all(
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
     sink_rows: int = 0,
-    payload: str = "bf16",
+    payload: Payload = BF16_PAYLOAD,
 ) -> torch.Tensor:
-    """Differentiable all_to_all_single over dim 0 (split sizes None: equal splits). A group of
-    one with no sink rows and a bf16 payload returns the input as is. `payload="fp8"`: rows
-    arrive dequantized in x's dtype."""
-    if group is None and sink_rows == 0 and check_payload(payload) == "bf16":
-        return x_RD
+    """Differentiable all_to_all_single over dim 0 (split sizes None: equal splits); rows
+    arrive decoded in x's dtype. A group of one with no sink rows returns what the payload loops
+    back (the input as is, in bf16)."""
+    if group is None and sink_rows == 0:
+        return payload.loop_back(x_RD)
     exchange = AsyncExchange(
         group, output_split_sizes, input_split_sizes, sink_rows=sink_rows, payload=payload
     )
@@ -84,11 +84,11 @@ class AsyncExchange:
         send_splits: list[int] | None = None,
         *,
         sink_rows: int = 0,
-        payload: str = "bf16",
+        payload: Payload = BF16_PAYLOAD,
         launch: Launch | None = None,
     ) -> None:
         self.splits, self.sink_rows = (recv_splits, send_splits), sink_rows
-        self.payload = check_payload(payload)
+        self.payload = payload
         self.launch = launch if launch is not None else _launch_collective(group)
         self.dtype: torch.dtype | None = None
         self._token = self._out = self._wait = None
@@ -124,7 +124,7 @@ class _Begin(torch.autograd.Function):
     def forward(ctx, x_RD, exchange):  # type: ignore[override]
         ctx.exchange = exchange
         exchange.dtype = x_RD.dtype
-        exchange._start(encode_fp8_rows(x_RD) if exchange.payload == "fp8" else x_RD, False)
+        exchange._start(exchange.payload.encode(x_RD), False)
         return x_RD.new_empty(0)
 
     @staticmethod
@@ -137,7 +137,7 @@ class _End(torch.autograd.Function):
     def forward(ctx, token, exchange):  # type: ignore[override]
         ctx.exchange = exchange
         out = exchange._finish()
-        return decode_fp8_rows(out, exchange.dtype) if exchange.payload == "fp8" else out
+        return exchange.payload.decode(out, exchange.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -158,7 +158,7 @@ def exchange_blocks(
     x_RD: torch.Tensor,
     group: ProcessGroup | None,
     sink_rows: int = 0,
-    payload: str = "bf16",
+    payload: Payload = BF16_PAYLOAD,
     traced: bool = True,
 ) -> torch.Tensor:
     """`all_to_all` with equal splits (G blocks of R / G rows, block g for rank g); under
@@ -166,16 +166,16 @@ def exchange_blocks(
     gradients and sink rows either way."""
     if not (traced and torch.compiler.is_compiling()):
         return all_to_all(x_RD, group, sink_rows=sink_rows, payload=payload)
-    if group is not None or check_payload(payload) == "fp8":
+    if group is None:
+        x_RD = payload.loop_back(x_RD)
+    else:
         x_RD = _FunctionalAllToAll.apply(x_RD, group, payload)
     if sink_rows == 0:
         return x_RD
     return torch.cat([x_RD, x_RD.new_zeros(sink_rows, *x_RD.shape[1:])])
 
 
-def _functional_exchange(x_RD: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    if group is None:
-        return x_RD
+def _functional_exchange(x_RD: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_to_all_single(x_RD.contiguous(), None, None, group))
 
 
@@ -187,10 +187,8 @@ class _FunctionalAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RD, group, payload):  # type: ignore[override]
         ctx.group = group
-        if payload == "fp8":
-            packed = _functional_exchange(encode_fp8_rows(x_RD), group)
-            return decode_fp8_rows(packed, x_RD.dtype)
-        return _functional_exchange(x_RD, group)
+        packed = _functional_exchange(payload.encode(x_RD), group)
+        return payload.decode(packed, x_RD.dtype)
 
     @staticmethod
     def backward(ctx, grad_RD):  # type: ignore[override]

@@ -128,16 +128,17 @@ def all_reduce_stats(
     return tensors
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, config: RunConfig) -> None:
+def apply_fsdp(
+    model: nn.Module, dims: ParallelDims, config: RunConfig, reduce_dtype: torch.dtype | None
+) -> None:
     """FSDP2 baseline: shard every block, then the root (embedding, final norm, head), over dp,
     or HSDP over `parallel.fsdp_shard_size`. Blocks reshard as `parallel.fsdp_reshard` says (the
-    root keeps FSDP2's default); gradients are reduced in `precision.grad_dtype` (the shards keep
-    the parameters' dtype). Each experts module is sharded over edp on its own, with gradient
+    root keeps FSDP2's default); gradients are reduced in `reduce_dtype` (the precision plan's:
+    precision.grad_dtype; None: the parameters' dtype, which the shards keep). Each experts module is sharded over edp on its own, with gradient
     divide factor dp (as in GradientSync)."""
     if dims.dp == 1:
         return
     p = config.parallel
-    reduce_dtype = torch.float32 if config.precision.grad_dtype == "fp32" else None
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     mesh = fsdp_mesh(dims, p.fsdp_shard_size)
     reshard = p.fsdp_reshard == "forward"

@@ -12,8 +12,9 @@ offsets; `combine` returns y_TD = sum_k w_tk * y(route tk); differentiable).
   the step, every decision is made on the device, fixed blocks move. Dropped routes contribute
   zero (moe/capacity.py says why a capacity factor is required).
 Both also run in halves for moe.overlap (`dispatch_begin` / `_end`, `combine_begin` / `_end`:
-`comm.AsyncExchange`). `payload="fp8"` (precision.dispatch) sends the dispatched rows
-FP8-quantized; the combine and all gradients travel in the activations' dtype. Statistics count
+`comm.AsyncExchange`). `payload` (moe/payload.py; precision.dispatch, installed by the precision
+plan) is what the dispatched rows travel as; the combine and all gradients travel in the
+activations' dtype. Statistics count
 training forwards only (not under no_grad nor in recomputation), so each route counts once.
 """
 
@@ -34,7 +35,8 @@ from moetrain.moe.dispatch import (
     sort_routes,
     weighted_sum_of_routes,
 )
-from moetrain.moe.payload import check_payload
+from moetrain.moe.experts import NO_FP8_ROWS, FP8Rows
+from moetrain.moe.payload import BF16_PAYLOAD, Payload
 from moetrain.moe.recompute import is_recomputing
 from moetrain.moe.router import RoutingResult
 from moetrain.parallel.comm import (
@@ -125,7 +127,7 @@ class ExchangeHandle:
     recv_splits: list[int] | None = None  # None: equal blocks (NoSync)
     send_splits: list[int] | None = None
     row_weights_N: None = None  # combine weights the routes (rows cross ranks without them)
-    rows_fp8: None = None  # the experts quantize the rows they receive
+    rows_fp8: FP8Rows = NO_FP8_ROWS  # the experts quantize the rows they receive
 
 
 class _ExpertParallel:
@@ -134,7 +136,7 @@ class _ExpertParallel:
     -> (rows to send, handle, offsets_e) and `_move(rows, handle, forward, begin)`, one exchange
     (`begin`: an `AsyncExchange` in flight)."""
 
-    payload: str
+    payload: Payload
 
     def dispatch(self, x_TD: torch.Tensor, routing: RoutingResult):
         send_RD, handle, offsets_e = self._plan(x_TD, routing)
@@ -191,9 +193,11 @@ class AllToAllDispatcher(_ExpertParallel):
     (`moe.capacity_factor` does not apply). In halves the sizes are still read on the host in
     `dispatch_begin`; only the rows' movement overlaps."""
 
-    def __init__(self, num_experts: int, group: ProcessGroup | None, payload: str = "bf16") -> None:
+    def __init__(
+        self, num_experts: int, group: ProcessGroup | None, payload: Payload = BF16_PAYLOAD
+    ) -> None:
         self.group, self.num_experts = group, num_experts
-        self.payload = check_payload(payload)
+        self.payload = payload
         self.num_ranks = group_size(group)
         assert num_experts % self.num_ranks == 0
         self.num_local = num_experts // self.num_ranks
@@ -233,7 +237,7 @@ class AllToAllDispatcher(_ExpertParallel):
     def _move(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool, begin: bool):
         recv, send = handle.recv_splits, handle.send_splits
         recv, send = (recv, send) if forward else (send, recv)
-        payload = self.payload if forward else "bf16"
+        payload = self.payload if forward else BF16_PAYLOAD
         if begin:
             return AsyncExchange(self.group, recv, send, payload=payload).begin(rows_RD)
         return all_to_all(rows_RD, self.group, recv, send, payload=payload)
@@ -246,13 +250,13 @@ class AllToAllDispatcher(_ExpertParallel):
 
 
 class Transport(Protocol):
-    def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
+    def exchange(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> torch.Tensor:
         """`send_RD` is G equal blocks, block g bound for rank g. Returns the G received blocks
-        (block g from rank g) followed by one zero sink row. Differentiable. `payload="fp8"`:
-        the blocks travel FP8-quantized (see moetrain.moe.payload)."""
+        (block g from rank g) followed by one zero sink row. Differentiable. The blocks travel
+        as `payload` (see moetrain.moe.payload)."""
         ...
 
-    def begin(self, send_RD: torch.Tensor, payload: str = "bf16") -> AsyncExchange:
+    def begin(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> AsyncExchange:
         """The same exchange, launched; its `end()` returns what `exchange` does."""
         ...
 
@@ -265,10 +269,10 @@ class AllToAllTransport:
     def __init__(self, group: ProcessGroup | None, traced: bool = True) -> None:
         self.group, self.traced = group, traced
 
-    def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
+    def exchange(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> torch.Tensor:
         return exchange_blocks(send_RD, self.group, 1, payload, self.traced)
 
-    def begin(self, send_RD: torch.Tensor, payload: str = "bf16") -> AsyncExchange:
+    def begin(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> AsyncExchange:
         return AsyncExchange(self.group, sink_rows=1, payload=payload).begin(send_RD)
 
 
@@ -300,7 +304,7 @@ class NoSyncDispatcher(_ExpertParallel):
         ep_rank: int,
         capacity_factor: float,
         transport: Transport | None = None,
-        payload: str = "bf16",
+        payload: Payload = BF16_PAYLOAD,
         device: torch.device | str | None = None,
     ) -> None:
         if capacity_factor is None or capacity_factor <= 0:
@@ -313,7 +317,7 @@ class NoSyncDispatcher(_ExpertParallel):
         assert num_experts % self.num_ranks == 0 and 0 <= ep_rank < self.num_ranks
         self.num_local = num_experts // self.num_ranks
         self.capacity_factor = capacity_factor
-        self.payload = check_payload(payload)
+        self.payload = payload
         # gloo with CUDA tensors: eager collectives even under compile (comm.traceable)
         self.traced = traceable(group, device)
         self.transport = (
@@ -374,7 +378,7 @@ class NoSyncDispatcher(_ExpertParallel):
 
     def _move(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool, begin: bool):
         # 6. (combine) the reverse movement; the weighted sum reads dropped routes as the sink
-        payload = self.payload if forward else "bf16"
+        payload = self.payload if forward else BF16_PAYLOAD
         return (self.transport.begin if begin else self.transport.exchange)(rows_RD, payload)
 
     @staticmethod

@@ -45,22 +45,18 @@ def resolve_dispatcher(config: RunConfig, dims: ParallelDims) -> str:
 
 
 def make_dispatcher(config: RunConfig, dims: ParallelDims) -> Dispatcher:
+    """The dispatcher `moe.dispatcher` names for this layout, its rows in the activations' dtype
+    (the precision plan installs `precision.dispatch`'s payload: parallel/precision.py)."""
     kind = resolve_dispatcher(config, dims)
     num_experts = config.moe.num_experts
     if kind == "no_sync" and config.moe.overlap == "two_chunk":
         _check_two_chunk_capacity(config)
-    payload = config.precision.dispatch
     if kind == "local":
-        return LocalDispatcher(payload)
+        return LocalDispatcher()
     if kind == "all_to_all":
-        return AllToAllDispatcher(num_experts, dims.ep_group, payload)
+        return AllToAllDispatcher(num_experts, dims.ep_group)
     return NoSyncDispatcher(
-        num_experts,
-        dims.ep_group,
-        dims.ep_rank,
-        config.moe.capacity_factor,
-        payload=payload,
-        device=dims.device,
+        num_experts, dims.ep_group, dims.ep_rank, config.moe.capacity_factor, device=dims.device
     )
 
 

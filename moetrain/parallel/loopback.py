@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from moetrain.moe.payload import BF16_PAYLOAD, Payload
 from moetrain.parallel.comm import AsyncExchange, Wait
 
 
@@ -19,10 +20,10 @@ class LoopbackTransport:
         self.stand_in = stand_in
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
+    def exchange(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> torch.Tensor:
         return self.begin(send_RD, payload).end()
 
-    def begin(self, send_RD: torch.Tensor, payload: str = "bf16") -> AsyncExchange:
+    def begin(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> AsyncExchange:
         return AsyncExchange(None, sink_rows=1, payload=payload, launch=self._launch).begin(send_RD)
 
     def _launch(self, out: torch.Tensor, x: torch.Tensor, recv_splits, send_splits) -> Wait:

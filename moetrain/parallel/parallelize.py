@@ -4,15 +4,19 @@ parameter names (checkpoints and parameter groups see the same names under every
     1. pipeline split            pp > 1: keep only this rank's stages (the schedule is built on
                                  the materialized model: pipeline.Pipeline)
     2. expert parallelism        shard experts over ep, install the dispatcher (apply_ep)
-    3. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
-    4. torch.compile             each block on its own
-    5. FSDP2                     parallel.data_parallel == "fsdp" (ddp: the optimizer's
-                                 GradientSync instead)
+    3. precision                 install the precision plan: each module's GEMMs, the LM head's
+                                 products, the dispatchers' payload (parallel/precision.py)
+    4. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
+    5. torch.compile             each block on its own
+    6. FSDP2                     parallel.data_parallel == "fsdp" (ddp: the optimizer's
+                                 GradientSync instead), reducing in the plan's reduce dtype
 
 The split comes first, so later steps touch only this rank's layers; EP changes parameter shapes
-and the dispatchers later steps wrap; checkpointing goes inside the compiled region; FSDP owns
-the final parameters (torchtitan's order). With fsdp, initialize before `parallelize` for the
-single-process weights of a seed.
+and the dispatchers later steps wrap; the precision plan goes into the dispatchers EP installed
+and before any compile traces a module; checkpointing goes inside the compiled region; FSDP owns
+the final parameters (torchtitan's order). The trainer resolves the precision plan once, before
+it builds the model (`resolve_precision`), and casts the parameters to the plan's dtype. With
+fsdp, initialize before `parallelize` for the single-process weights of a seed.
 """
 
 from __future__ import annotations
@@ -32,9 +36,25 @@ from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep
 from moetrain.parallel.mesh import ParallelDims
 from moetrain.parallel.pipeline import pipeline_layout, split_model
+from moetrain.parallel.precision import (
+    PrecisionPlan,
+    apply_precision,
+    default_param_dtype,
+    plan_precision,
+)
 
 
-def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Transformer:
+def parallelize(
+    model: Transformer,
+    config: RunConfig,
+    dims: ParallelDims,
+    precision: PrecisionPlan | None = None,
+) -> Transformer:
+    """The recipe (module docstring). `precision`: the plan the trainer resolved at start-up;
+    None plans `config.precision` here, for `dims.device` (the parameters' dtype is the
+    caller's to check and cast: `resolve_param_dtype`)."""
+    if precision is None:
+        precision = plan_precision(config, dims.device, default_param_dtype(config, dims.device))
     compile_blocks = config.parallel.compiles(dims.device.type)
     if dims.pp > 1:
         if compile_blocks and config.parallel.pp_schedule == "zero_bubble":
@@ -45,12 +65,13 @@ def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Tr
             )
         split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
     apply_ep(model, dims, config)
+    apply_precision(model, precision)
     apply_dp_load_balance(model, config, dims)
     apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
     if compile_blocks:
         apply_compile(model)
     if config.parallel.data_parallel == "fsdp":
-        apply_fsdp(model, dims, config)
+        apply_fsdp(model, dims, config, precision.reduce_dtype)
     return model
 
 

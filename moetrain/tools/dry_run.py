@@ -26,6 +26,7 @@ from moetrain.model.transformer import Transformer
 from moetrain.moe.experts import GroupedExperts
 from moetrain.optim.muon_params import matrix_layout
 from moetrain.optim.param_groups import param_kind
+from moetrain.parallel.precision import resolve_param_dtype
 from moetrain.tools.plan import (
     GIB,
     ExpertRows,
@@ -46,7 +47,6 @@ from moetrain.tools.plan import (
 from moetrain.tools.plan.cli import wide_console
 from moetrain.tools.plan.layout import OVERHEAD_GIB
 from moetrain.tools.plan.run_memory import run_memory
-from moetrain.train.build import resolve_param_dtype
 
 
 def param_dtype(config: RunConfig) -> torch.dtype:
@@ -56,7 +56,7 @@ def param_dtype(config: RunConfig) -> torch.dtype:
 
 def on_device(config: RunConfig, device_type: str) -> RunConfig:
     """`config` with precision.param_dtype as the trainer resolves it on `device_type`
-    (`train.build.resolve_param_dtype`: auto is bf16 on CUDA, fp32 elsewhere), so that the dry
+    (`parallel.precision.resolve_param_dtype`: auto is bf16 on CUDA, fp32 elsewhere), so that the dry
     run and the memory check describe the parameters a run there has."""
     dtype = resolve_param_dtype(config, torch.device(device_type))
     precision = dataclasses.replace(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from moetrain.parallel.expert import resolve_dispatcher
+from moetrain.parallel.precision import cuda_graph_blocker
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[Iterator[Batch], torch.Tensor], torch.Tensor]
@@ -56,14 +57,9 @@ class StepGraph:
                 return reason
         if config.moe.routing != "learned":
             return "random routing reseeds its generator on the host at every draw"
-        if config.precision.param_dtype == "fp32" and config.model.num_dense_layers < (
-            config.model.num_layers
-        ):
-            return (
-                "fp32 expert GEMMs (precision.param_dtype=fp32): torch._grouped_mm has a CUDA "
-                "kernel for bf16 only and runs other dtypes as a loop over the experts that "
-                "copies the offsets to the host, which a capture refuses"
-            )
+        reason = cuda_graph_blocker(config)  # the precision's (fp32 expert GEMMs)
+        if reason is not None:
+            return reason
         if config.train.optimizer not in ("adamw", "muon") or adamw_kernel != "triton":
             return (
                 "it needs train.optimizer adamw or muon with the Triton kernel of AdamW (a device "

@@ -39,14 +39,9 @@ from moetrain.parallel.expert import globalize_experts
 from moetrain.parallel.mesh import ParallelDims, destroy_distributed, init_distributed
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline
+from moetrain.parallel.precision import resolve_precision
 from moetrain.train import step as train_step
-from moetrain.train.build import (
-    apply_precision,
-    build_loaders,
-    build_optimizer,
-    claim_run_dir,
-    resolve_param_dtype,
-)
+from moetrain.train.build import build_loaders, build_optimizer, claim_run_dir
 from moetrain.train.evaluate import Evaluator
 from moetrain.train.graph import StepGraph
 from moetrain.train.log_stats import train_record
@@ -100,19 +95,19 @@ class Trainer:
         t = config.train
         self.tokens_per_step = t.micro_batch_size * t.seq_len * self.accum_steps * self.dims.dp
 
-        # ---- model: meta -> parallelize -> materialize -> init -> cast ----
-        self.param_dtype = resolve_param_dtype(config, self.device)
+        # ---- model: meta -> parallelize (with the precision plan) -> materialize -> init -> cast
+        precision = resolve_precision(config, self.device)
+        self.param_dtype = precision.param_dtype
         with torch.device("meta"):
             model = Transformer(config)
         fsdp = config.parallel.data_parallel == "fsdp"
         if fsdp:  # the baseline shards materialized, initialized weights (see parallel/data.py)
             self._materialize(model)
-        model = parallelize(model, config, self.dims)
+        model = parallelize(model, config, self.dims, precision)
         if model_transform is not None:
             model_transform(model)
         if not fsdp:
             self._materialize(model)
-        apply_precision(model, config, self.device)
         model.train()
         self.model = model
         # pp > 1: this rank's stages and the schedule that replaces the micro-batch loop

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moetrain.config.presets import tiny
+from moetrain.moe.experts import BF16GroupedGemm
 from moetrain.train.graph import StepGraph
 from moetrain.train.trainer import Trainer
 
@@ -55,8 +56,11 @@ def test_grouped_mm_captures_in_bf16_only(dtype):
     assert ("captured" in done.stdout) == (dtype == "bfloat16"), done.stderr[-2000:]
 
 
-def _bf16_gemm(x_ND, w_eDF, offs_e):
-    return torch._grouped_mm(x_ND.bfloat16(), w_eDF.bfloat16(), offs=offs_e).to(x_ND.dtype)
+class _BF16Kernel(BF16GroupedGemm):
+    """The bf16 kernel on fp32 operands: the expert GEMM that can be captured."""
+
+    def __call__(self, x_ND, w_eDF, offs_e):
+        return torch._grouped_mm(x_ND.bfloat16(), w_eDF.bfloat16(), offs=offs_e).to(x_ND.dtype)
 
 
 def test_fp32_step_captures_once_the_expert_gemm_can(tmp_cache, tmp_path):
@@ -65,7 +69,7 @@ def test_fp32_step_captures_once_the_expert_gemm_can(tmp_cache, tmp_path):
     config = tiny().with_overrides([*FP32, "train.cuda_graph=false"])
     trainer = Trainer(config, tmp_path, device="cuda", progress=False)
     for layer in trainer.model.moe_layers():
-        layer.experts.gemm = _bf16_gemm
+        layer.experts.gemm = _BF16Kernel()
     trainer.step_graph = StepGraph(
         trainer._device_step, trainer.accum_steps, trainer.device, strict=True
     )

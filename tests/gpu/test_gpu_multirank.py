@@ -251,9 +251,11 @@ def _dispatch_under_sync_debug(rank, world, kind, payload):
     sync (its split sizes) exempted: everything else is the dispatcher's own work."""
     from unittest import mock
 
+    from moetrain.moe.payload import BF16_PAYLOAD, FP8_PAYLOAD
     from moetrain.moe.router import RoutingResult
     from moetrain.parallel import comm, ep_dispatch
 
+    payload = {"bf16": BF16_PAYLOAD, "fp8": FP8_PAYLOAD}[payload]
     torch.cuda.set_device(0)
     group = dist.new_group(list(range(world)))
     T, K, E, D = 512, 4, 16, 256

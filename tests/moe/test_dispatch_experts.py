@@ -2,7 +2,12 @@ import pytest
 import torch
 
 from moetrain.moe.dispatch import LocalDispatcher, inverse_permutation, sort_routes
-from moetrain.moe.experts import GroupedExperts, grouped_mm, grouped_mm_reference
+from moetrain.moe.experts import (
+    GroupedExperts,
+    ReferenceGroupedGemm,
+    grouped_mm,
+    grouped_mm_reference,
+)
 from moetrain.moe.router import TopKRouter
 
 
@@ -73,7 +78,7 @@ def test_grouped_mm_rejects_what_the_kernel_cannot_run():
 def test_grouped_experts_vs_reference_backend():
     torch.manual_seed(0)
     fast = GroupedExperts(3, 16, 8)
-    slow = GroupedExperts(3, 16, 8, gemm=grouped_mm_reference)
+    slow = GroupedExperts(3, 16, 8, gemm=ReferenceGroupedGemm())
     for p in fast.parameters():
         p.data.normal_()
     slow.load_state_dict(fast.state_dict())

@@ -1,5 +1,5 @@
 """The FP8 experts' MLP as one op (moe/fp8_experts.py) against the same products composed one by
-one (`fuse_swiglu=False`), with row weights, an empty expert and garbage padding rows: the CPU
+one (`ComposedGroupedGemm`), with row weights, an empty expert and garbage padding rows: the CPU
 runs the emulation, `pytest -m gpu` the tensor cores and the fused Triton SwiGLU kernels."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import torch
 import torch._inductor.config
 
 from moetrain.kernels.swiglu import swiglu_reference
-from moetrain.moe.experts import GroupedExperts, grouped_mm_reference
-from moetrain.moe.grouped_gemm import FP8RowwiseGroupedGemm
+from moetrain.moe.experts import ComposedGroupedGemm, GroupedExperts, grouped_mm_reference
+from moetrain.moe.grouped_gemm import FP8RowwiseEmulatedGroupedGemm, FP8RowwiseGroupedGemm
+from moetrain.moe.payload import BF16_PAYLOAD, FP8_PAYLOAD
 from moetrain.nn.fp8 import fp8_unsupported_reason
 
+PAYLOADS = {"bf16": BF16_PAYLOAD, "fp8": FP8_PAYLOAD}
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_unsupported_reason(torch.device("cuda")) is None
 
 
@@ -77,8 +79,8 @@ NUM_ROWS, D, F = 700, 128, 96  # 50 padding rows
 def test_fused_mlp_is_the_composed_products_on_cpu(dtype):
     """Same quantization points, same products: the emulated results are equal bit for bit."""
     args = problem(COUNTS, NUM_ROWS, D, F, dtype=dtype, device="cpu", seed=1)
-    fused = run(FP8RowwiseGroupedGemm("cpu"), *args)
-    composed = run(FP8RowwiseGroupedGemm("cpu", fuse_swiglu=False), *args)
+    fused = run(FP8RowwiseEmulatedGroupedGemm(), *args)
+    composed = run(ComposedGroupedGemm(FP8RowwiseEmulatedGroupedGemm()), *args)
     for name, a, b in zip(("y", "dx", "dw_up", "dw_down", "drow_w"), fused, composed, strict=True):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), name
@@ -97,7 +99,7 @@ def test_fused_mlp_is_close_to_fp32_math():
         return grouped_mm_reference(swiglu_reference(h, w_), experts_down, offs_)
 
     experts_up, experts_down = w_up, w_down
-    gemm = FP8RowwiseGroupedGemm("cpu")
+    gemm = FP8RowwiseEmulatedGroupedGemm()
     got = run(gemm, x, w_up, w_down, row_w, offs, g)
     n = g.shape[0]
     xr = x.clone().requires_grad_()
@@ -113,7 +115,7 @@ def test_fused_mlp_is_close_to_fp32_math():
 
 def test_fused_mlp_compiles_without_a_graph_break():
     args = problem(COUNTS, NUM_ROWS, D, F, dtype=torch.float32, device="cpu", seed=3)
-    gemm = FP8RowwiseGroupedGemm("cpu")
+    gemm = FP8RowwiseEmulatedGroupedGemm()
     eager = run(gemm, *args)
     compiled = run(gemm, *args, compile="aot_eager")
     for a, b in zip(compiled, eager, strict=True):
@@ -139,17 +141,17 @@ def test_fused_mlp_holds_x_and_h_alone_for_the_backward():
     fused op keeps x and h, the composed products x, h and a."""
     x, w_up, w_down, row_w, offs, g = problem(COUNTS, NUM_ROWS, D, F, dtype=torch.float32, device="cpu", seed=8)  # fmt: skip
     args = (x, w_up, w_down, row_w, offs, g)
-    fused = saved_rows(*build(FP8RowwiseGroupedGemm("cpu"), *args), offs)
-    composed = saved_rows(*build(FP8RowwiseGroupedGemm("cpu", fuse_swiglu=False), *args), offs)
+    fused = saved_rows(*build(FP8RowwiseEmulatedGroupedGemm(), *args), offs)
+    composed = saved_rows(*build(ComposedGroupedGemm(FP8RowwiseEmulatedGroupedGemm()), *args), offs)
     assert sorted(fused) == [(NUM_ROWS, D), (NUM_ROWS, 2 * F)]
     assert sorted(composed) == [(NUM_ROWS, F), (NUM_ROWS, D), (NUM_ROWS, 2 * F)]
 
 
 @pytest.mark.parametrize("payload", ["bf16", "fp8"])
 def test_dispatcher_fp8_rows_are_the_quantized_rows(payload):
-    """LocalDispatcher(fp8_rows=True): T token rows quantized, bytes gathered K-fold, bit for
-    bit `quantize_rows` of the rows it hands over (after the FP8 payload's rounding, if any);
-    without the flag there are none."""
+    """A LocalDispatcher with the FP8 experts' `quantized_rows`: T token rows quantized, bytes
+    gathered K-fold, bit for bit `quantize_rows` of the rows it hands over (after the FP8
+    payload's rounding, if any); with the default (the bf16 experts') there are none."""
     from moetrain.moe.dispatch import LocalDispatcher
     from moetrain.moe.router import TopKRouter
     from moetrain.nn.fp8 import quantize_rows
@@ -157,19 +159,20 @@ def test_dispatcher_fp8_rows_are_the_quantized_rows(payload):
     torch.manual_seed(0)
     x = torch.randn(50, 64, dtype=torch.bfloat16)
     routing = TopKRouter(64, 6, 3).to(torch.bfloat16)(x)
-    rows, _, handle = LocalDispatcher(payload, fp8_rows=True).dispatch(x, routing)
+    quantized = FP8RowwiseGroupedGemm().quantized_rows
+    rows, _, handle = LocalDispatcher(PAYLOADS[payload], quantized).dispatch(x, routing)
     q, scale = handle.rows_fp8
     q_ref, scale_ref = quantize_rows(rows)
     assert q.dtype == torch.float8_e4m3fn and q.shape == rows.shape
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(scale, scale_ref)
-    assert LocalDispatcher(payload).dispatch(x, routing)[2].rows_fp8 is None
+    assert LocalDispatcher(PAYLOADS[payload]).dispatch(x, routing)[2].rows_fp8 == (None, None)
 
 
 def test_dispatcher_fp8_rows_compile_to_the_eager_bits():
     """Compiled, the T rows' quantization stays the opaque op the experts' own body runs (on a
     GPU Inductor's fused twin rounded some scales differently); the byte gather is traced."""
-    from moetrain.moe.dispatch import gather_fp8_rows
+    from moetrain.moe.fp8_experts import gather_fp8_rows
 
     x = torch.randn(40, 64, dtype=torch.bfloat16) * torch.logspace(-3, 3, 40)[:, None]
     token = torch.randint(0, 40, (120,))
@@ -191,8 +194,8 @@ def moe_layer_run(fp8_rows: bool, *, device="cpu", compile=False, seed=9):
     """An FP8-expert MoE layer (fused MLP; the emulation off FP8 GPUs) on fresh inputs, with
     the dispatcher's FP8 rows on or off: output and every gradient."""
     from moetrain.config import MoEConfig
-    from moetrain.moe.grouped_gemm import make_grouped_gemm
     from moetrain.moe.layer import MoELayer
+    from moetrain.parallel.precision import make_grouped_gemm
 
     torch.manual_seed(seed)
     layer = MoELayer(MoEConfig(num_experts=8, top_k=2, expert_hidden=96), 128)
@@ -201,7 +204,8 @@ def moe_layer_run(fp8_rows: bool, *, device="cpu", compile=False, seed=9):
             p.normal_(0, p.shape[-2] ** -0.5 if p.dim() > 1 else 1.0)
     layer = layer.to(device=device, dtype=torch.bfloat16)
     layer.experts.gemm = make_grouped_gemm("fp8_rowwise", torch.device(device))
-    layer.dispatcher.fp8_rows = fp8_rows
+    if fp8_rows:  # what the precision plan installs with FP8 experts
+        layer.dispatcher.quantized_rows = layer.experts.gemm.quantized_rows
     x = torch.randn(2, 160, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
     if compile:
         torch._dynamo.reset()  # what earlier tests compiled must not change this graph
@@ -223,7 +227,7 @@ def test_moe_layer_with_dispatcher_fp8_rows_is_bit_for_bit_the_same():
 def test_mismatched_expert_weights_are_an_error():
     x, w_up, w_down, row_w, offs, _ = problem([3, 5], 8, 64, 32, dtype=torch.float32, device="cpu", seed=4)  # fmt: skip
     with pytest.raises(ValueError, match=r"w_down \(e, F, D\)"):
-        FP8RowwiseGroupedGemm("cpu").swiglu_mlp(x, w_up, w_down[:, :16], offs, row_w)
+        FP8RowwiseEmulatedGroupedGemm().mlp(x, w_up, w_down[:, :16], offs, row_w)
 
 
 # --- GPU ---------------------------------------------------------------------------------------
@@ -242,11 +246,9 @@ def test_fused_mlp_is_the_composed_products_on_the_gpu(fast_accum):
     """Tensor cores and the fused SwiGLU kernels: equal to the composed path bit for bit (the
     same FP8 operands reach the same kernels), and close to the emulation."""
     args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=5)
-    fused = run(FP8RowwiseGroupedGemm("cuda", use_fast_accum=fast_accum), *args)
-    composed = run(
-        FP8RowwiseGroupedGemm("cuda", use_fast_accum=fast_accum, fuse_swiglu=False), *args
-    )
-    emulated = run(FP8RowwiseGroupedGemm("cuda", emulate=True), *args)
+    fused = run(FP8RowwiseGroupedGemm(use_fast_accum=fast_accum), *args)
+    composed = run(ComposedGroupedGemm(FP8RowwiseGroupedGemm(use_fast_accum=fast_accum)), *args)
+    emulated = run(FP8RowwiseEmulatedGroupedGemm(), *args)
     names = ("y", "dx", "dw_up", "dw_down", "drow_w")
     for name, a, b, c in zip(names, fused, composed, emulated, strict=True):
         assert torch.isfinite(a).all(), name
@@ -263,7 +265,7 @@ def test_fused_mlp_is_the_composed_products_on_the_gpu(fast_accum):
 @needs_fp8_gpu
 def test_fused_mlp_on_the_gpu_has_no_host_sync():
     args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=6)
-    gemm = FP8RowwiseGroupedGemm("cuda")
+    gemm = FP8RowwiseGroupedGemm()
     run(gemm, *args)  # warm-up: Triton compiles
     experts, x, row_w = build(gemm, *args)  # host-to-device copies: outside the checked region
     torch.cuda.synchronize()
@@ -297,7 +299,7 @@ def test_moe_layer_with_dispatcher_fp8_rows_on_the_gpu(compile):
 @needs_fp8_gpu
 def test_fused_mlp_on_the_gpu_compiled_matches_eager():
     args = problem(GPU_COUNTS, GPU_ROWS, GPU_D, GPU_F, dtype=torch.bfloat16, device="cuda", seed=7)
-    gemm = FP8RowwiseGroupedGemm("cuda")
+    gemm = FP8RowwiseGroupedGemm()
     eager = run(gemm, *args)
     compiled = run(gemm, *args, compile="inductor")
     for a, b in zip(compiled, eager, strict=True):

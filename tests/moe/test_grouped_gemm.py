@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from moetrain.kernels import quant
-from moetrain.moe.experts import grouped_mm_reference
-from moetrain.moe.grouped_gemm import BF16GroupedGemm, FP8RowwiseGroupedGemm, make_grouped_gemm
+from moetrain.moe.experts import BF16GroupedGemm, grouped_mm_reference
+from moetrain.moe.grouped_gemm import FP8RowwiseEmulatedGroupedGemm
 from moetrain.moe.mxfp8 import MXFP8EmulatedGroupedGemm
 from moetrain.nn.fp8 import fp8_unsupported_reason
+from moetrain.parallel.precision import make_grouped_gemm
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,7 +77,7 @@ def test_fp8_emulation_is_the_dequantized_product():
     """Scales wired to the right dims: per row of x along D, per output column of w along D."""
     x, w, offs, _ = problem(COUNTS, NUM_ROWS, D, F, seed=2)
     n = int(offs[-1])
-    y = FP8RowwiseGroupedGemm("cpu")(x, w, offs)
+    y = FP8RowwiseEmulatedGroupedGemm()(x, w, offs)
     x_dq = quant.dequantize_fp8_rowwise(*quant.quantize_fp8_rowwise(x, dim=-1), dim=-1)
     w_dq = quant.dequantize_fp8_rowwise(*quant.quantize_fp8_rowwise(w, dim=1), dim=1)
     torch.testing.assert_close(
@@ -117,7 +118,7 @@ def test_weights_are_quantized_at_every_call():
     pointers, a collective into a bucket that `.data` views) shows in the very next product."""
     x, w, offs, _ = problem(COUNTS, NUM_ROWS, D, F, seed=5)
     n = int(offs[-1])
-    gemm = FP8RowwiseGroupedGemm("cpu")
+    gemm = FP8RowwiseEmulatedGroupedGemm()
     y1 = gemm(x, w, offs)
     version = w._version
     w.data.mul_(2.0)  # through .data: the version counter stays
@@ -129,10 +130,10 @@ def test_weights_are_quantized_at_every_call():
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="unknown recipe"):
         make_grouped_gemm("fp4", "cpu")
-    with pytest.raises(ValueError, match="not a CUDA GPU"):
-        FP8RowwiseGroupedGemm("cpu", emulate=False)
+    with pytest.raises(ValueError, match="fp8_rowwise is unavailable: device meta is not a CUDA"):
+        make_grouped_gemm("fp8_rowwise", "meta")  # neither the CPU's emulation nor FP8 kernels
     x, w, offs, _ = problem([3, 5], 8, 64, 32)
-    for gemm in (BF16GroupedGemm(), FP8RowwiseGroupedGemm("cpu"), MXFP8EmulatedGroupedGemm()):
+    for gemm in (BF16GroupedGemm(), FP8RowwiseEmulatedGroupedGemm(), MXFP8EmulatedGroupedGemm()):
         with pytest.raises(ValueError, match="int32"):
             gemm(x, w, offs.long())
         with pytest.raises(ValueError, match=r"expected x \(N, D\)"):
@@ -144,7 +145,7 @@ def test_errors_name_the_problem():
 
 def test_float64_inputs_use_the_loop():
     x, w, offs, g = problem([5, 0, 7], 16, 64, 32, dtype=torch.float64, seed=6)
-    for gemm in (BF16GroupedGemm(), FP8RowwiseGroupedGemm("cpu"), MXFP8EmulatedGroupedGemm()):
+    for gemm in (BF16GroupedGemm(), FP8RowwiseEmulatedGroupedGemm(), MXFP8EmulatedGroupedGemm()):
         y, gx, gw = run(gemm, x, w, offs, g)
         y_ref, gx_ref, gw_ref = run(grouped_mm_reference, x, w, offs, g)
         assert rel(y, y_ref) < 5e-2 and rel(gx, gx_ref) < 5e-2 and rel(gw, gw_ref) < 5e-2
@@ -172,7 +173,7 @@ def test_fp8_rowwise_cuda_close_to_bf16():
     empty = got[2][1]
     assert torch.equal(empty, torch.zeros_like(empty)), "empty expert's weight gradient not zero"
     # the hardware path and its emulation differ only in accumulation order and bf16 rounding
-    emulated = run(FP8RowwiseGroupedGemm("cuda", emulate=True), x, w, offs, g)
+    emulated = run(FP8RowwiseEmulatedGroupedGemm(), x, w, offs, g)
     for a, b in zip(got, emulated, strict=True):
         assert rel(a, b) < 1e-2
 

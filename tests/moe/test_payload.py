@@ -7,6 +7,8 @@ import torch
 from moetrain.kernels import quant
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.payload import (
+    BF16_PAYLOAD,
+    FP8_PAYLOAD,
     SCALE_BYTES,
     decode_fp8_rows,
     encode_fp8_rows,
@@ -47,6 +49,20 @@ def test_round_trip_is_straight_through():
     assert torch.equal(x.grad, g)
 
 
+def test_loop_back_is_the_packed_rows_decoded_straight_through():
+    """What a group of one hands back: FP8 the packed rows decoded (the round trip's values),
+    the gradient unchanged; bf16 the rows themselves."""
+    x = torch.randn(20, 32, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(20, 32, dtype=torch.bfloat16)
+    y = FP8_PAYLOAD.loop_back(x)
+    assert y.dtype == x.dtype
+    assert torch.equal(y.detach(), decode_fp8_rows(encode_fp8_rows(x.detach()), x.dtype))
+    assert torch.equal(y.detach(), fp8_round_trip_reference(x.detach()))
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+    assert BF16_PAYLOAD.loop_back(x) is x and BF16_PAYLOAD.round_trip(x) is x
+
+
 def test_local_dispatcher_fp8_rows_are_the_rounded_tokens():
     T, D, E, K = 24, 32, 8, 2
     router = TopKRouter(D, E, K)
@@ -54,11 +70,11 @@ def test_local_dispatcher_fp8_rows_are_the_rounded_tokens():
     x = torch.randn(T, D)
     with torch.no_grad():
         routing = router(x)
-    rows8, offs8, _ = LocalDispatcher("fp8").dispatch(x, routing)
+    rows8, offs8, _ = LocalDispatcher(FP8_PAYLOAD).dispatch(x, routing)
     rows16, offs16, _ = LocalDispatcher().dispatch(fp8_round_trip_reference(x), routing)
     assert torch.equal(rows8, rows16) and torch.equal(offs8, offs16)
     # gradients pass the rounding unchanged: d(sum of rows)/dx = K for every element
     x_ = x.clone().requires_grad_()
-    rows, _, _ = LocalDispatcher("fp8").dispatch(x_, routing)
+    rows, _, _ = LocalDispatcher(FP8_PAYLOAD).dispatch(x_, routing)
     rows.sum().backward()
     torch.testing.assert_close(x_.grad, torch.full((T, D), float(K)))

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from moetrain.kernels import quant
 from moetrain.nn.fp8 import fp8_unsupported_reason
-from moetrain.nn.loss import chunked_linear_cross_entropy
+from moetrain.nn.loss import FP8HeadProducts, chunked_linear_cross_entropy
 
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_unsupported_reason(torch.device("cuda")) is None
+EMULATED = FP8HeadProducts(emulate=True)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,7 +45,7 @@ def test_emulated_fp8_head_is_the_dequantized_products():
     gradient quantized along V and w along V (per column); the weight gradient from the
     unquantized h and the logits' gradient. Four chunks, the last one short."""
     h, w, t = problem(200, 64, 208, seed=0)
-    loss, gh, gw = run(h, w, t, chunk_size=64, fp8="fp8-emulated")
+    loss, gh, gw = run(h, w, t, chunk_size=64, products=EMULATED)
     logits = (dq(h) @ dq(w).T).requires_grad_()
     want_loss = F.cross_entropy(logits, t)
     (g_logits,) = torch.autograd.grad(want_loss, logits)
@@ -56,17 +57,11 @@ def test_emulated_fp8_head_is_the_dequantized_products():
 
 def test_emulated_fp8_head_is_close_to_fp32():
     h, w, t = problem(256, 128, 512, seed=1)
-    got = run(h, w, t, chunk_size=100, fp8="fp8-emulated")
+    got = run(h, w, t, chunk_size=100, products=EMULATED)
     want = run(h, w, t, chunk_size=100)
     assert 1e-5 < abs(got[0] - want[0]) / want[0] < 1e-2  # the loss
     for a, b in zip(got[1:], want[1:], strict=True):
         assert 1e-4 < rel(a, b) < 6e-2
-
-
-def test_fp8_head_choice_is_checked():
-    h, w, t = problem(8, 16, 32, seed=2)
-    with pytest.raises(ValueError, match="fp8 must be"):
-        chunked_linear_cross_entropy(h, w, t, fp8="fp8_rowwise")
 
 
 @pytest.mark.gpu
@@ -76,14 +71,16 @@ def test_fp8_head_on_tensor_cores_matches_its_emulation_without_host_sync(fast_a
     """bf16 at a real vocabulary (50304): torch._scaled_mm and the Triton quantizers against
     the emulation on the same operands, and close to the bf16 head; no host sync."""
     h, w, t = problem(8192, 1024, 50304, seed=3, dtype=torch.bfloat16, device="cuda")
-    run(h, w, t, fp8="fp8", fast_accum=fast_accum)  # warm-up: Triton compiles
+    run(
+        h, w, t, products=FP8HeadProducts(emulate=False, fast_accum=fast_accum)
+    )  # warm-up: Triton compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = run(h, w, t, fp8="fp8", fast_accum=fast_accum)
+        got = run(h, w, t, products=FP8HeadProducts(emulate=False, fast_accum=fast_accum))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    emulated = run(h, w, t, fp8="fp8-emulated")
+    emulated = run(h, w, t, products=EMULATED)
     bf16 = run(h, w, t)
     assert abs(got[0] - emulated[0]) / emulated[0] < 1e-3
     assert abs(got[0] - bf16[0]) / bf16[0] < 1e-2

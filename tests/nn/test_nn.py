@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.nn.attention import Attention, concat_linear
+from moetrain.nn.attention import Attention
+from moetrain.nn.linear import concat_linear
 from moetrain.nn.loss import chunked_linear_cross_entropy
 from moetrain.nn.norm import RMSNorm, rms_norm, rms_norm_reference
 from moetrain.nn.rope import RotaryEmbedding, apply_rope

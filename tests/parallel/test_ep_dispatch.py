@@ -20,7 +20,7 @@ from moetrain.dist_compat import all_gather_flat_name
 from moetrain.moe.balance import count_tokens_per_expert
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import GroupedExperts
-from moetrain.moe.payload import fp8_round_trip_reference
+from moetrain.moe.payload import BF16_PAYLOAD, FP8_PAYLOAD, fp8_round_trip_reference
 from moetrain.moe.router import RoutingResult
 from moetrain.parallel import ep_dispatch
 from moetrain.parallel.ep_dispatch import AllToAllDispatcher, NoSyncDispatcher, keep_counts
@@ -317,7 +317,10 @@ def _fp8_payload_world2(rank, world_size):
         routing = make_routing(ids[rank], w[rank])
         grad_TD = torch.randn(T, D, generator=torch.Generator().manual_seed(rank))
         results = []
-        for payload, x_in in (("fp8", x[rank]), ("bf16", fp8_round_trip_reference(x[rank]))):
+        for payload, x_in in (
+            (FP8_PAYLOAD, x[rank]),
+            (BF16_PAYLOAD, fp8_round_trip_reference(x[rank])),
+        ):
             if kind == "all_to_all":
                 dispatcher = AllToAllDispatcher(E, group, payload)
             else:

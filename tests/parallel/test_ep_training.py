@@ -31,13 +31,13 @@ from moetrain.config import (
     TrainConfig,
 )
 from moetrain.model.transformer import Transformer, build_model
-from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.optim.adamw import AdamW
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.parallel import GradientSync, init_distributed, is_expert_param, parallelize
 from moetrain.parallel.data import fsdp_mesh
 from moetrain.parallel.expert import globalize_experts, read_dispatch_stats
 from moetrain.parallel.mesh import ParallelDims
+from moetrain.parallel.precision import apply_precision, resolve_precision
 from moetrain.train.build import build_optimizer
 
 pytestmark = pytest.mark.distributed
@@ -90,8 +90,8 @@ def run_case(config: RunConfig, accum: int = 1, bucket_mb: float = 25.0) -> None
     model.init_weights()
     reference = build_model(dataclasses.replace(config, parallel=ParallelConfig()))
     ref_params = dict(reference.named_parameters())
-    for layer in reference.moe_layers():  # FP8 payload: the same rounding, nothing moved
-        layer.dispatcher = LocalDispatcher(config.precision.dispatch)
+    # the same precision plan (FP8 payload: the same rounding, nothing moved)
+    apply_precision(reference, resolve_precision(config, torch.device("cpu")))
     for name, param in model.named_parameters():
         expected = ref_params[name].detach()
         if is_expert_param(name) and dims.ep_group is not None:

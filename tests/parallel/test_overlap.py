@@ -34,6 +34,7 @@ from moetrain.config import (
 )
 from moetrain.config.presets import get_preset
 from moetrain.model.transformer import Transformer, build_model
+from moetrain.moe.payload import FP8_PAYLOAD
 from moetrain.parallel import init_distributed, parallelize
 from moetrain.parallel.ep_dispatch import NoSyncDispatcher
 from moetrain.parallel.loopback import LoopbackTransport
@@ -127,7 +128,7 @@ def test_two_chunk_with_the_loopback_transport_in_one_process():
         model = build_model(overlap_config(overlap, 1, "local", shared=1, payload="fp8"))
         for layer in model.moe_layers():
             layer.dispatcher = NoSyncDispatcher(
-                8, None, 0, 4.0, transport=LoopbackTransport(), payload="fp8"
+                8, None, 0, 4.0, transport=LoopbackTransport(), payload=FP8_PAYLOAD
             )
         loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()

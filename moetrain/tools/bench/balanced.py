@@ -17,26 +17,25 @@ import dataclasses
 import torch
 
 from moetrain.moe.dispatch import LocalDispatcher, LocalHandle
+from moetrain.moe.payload import Payload
 from moetrain.moe.router import RoutingResult
 
 
 class BalancedDispatcher:
     """The T K routes of this device's tokens, spread evenly over its `num_local` experts."""
 
-    def __init__(self, num_local: int, payload: str = "bf16") -> None:
+    def __init__(self, num_local: int, local: LocalDispatcher | None = None) -> None:
+        """`local`: the LocalDispatcher that moves the rows (with the precision plan's payload
+        and quantized rows, as installed in the layer this one replaces); default a bf16 one."""
         if num_local < 1:
             raise ValueError(f"num_local ({num_local}) must be >= 1")
         self.num_local = num_local
-        self.local = LocalDispatcher(payload)
+        self.local = LocalDispatcher() if local is None else local
 
     @property
-    def fp8_rows(self) -> bool:
-        """`LocalDispatcher.fp8_rows` of the wrapped dispatcher."""
-        return self.local.fp8_rows
-
-    @fp8_rows.setter
-    def fp8_rows(self, value: bool) -> None:
-        self.local.fp8_rows = value
+    def payload(self) -> Payload:
+        """The wrapped dispatcher's."""
+        return self.local.payload
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult

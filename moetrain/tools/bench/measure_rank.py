@@ -39,15 +39,16 @@ FIT_SHARE = 0.75  # time the whole depth when the eager bound is below this shar
 PHASE_KINDS = {"expert GEMMs": "experts", "dense GEMMs": "products", "attention": "products"}
 
 
-def rank_transform(num_local: int, payload: str = "bf16") -> Callable[[Any], None]:
+def rank_transform(num_local: int) -> Callable[[Any], None]:
     """The Trainer's `model_transform` that keeps experts [0, num_local) of every MoE layer and
-    gives each layer a BalancedDispatcher: one expert-parallel rank's share, on one device."""
+    gives each layer a BalancedDispatcher: one expert-parallel rank's share, on one device. It
+    wraps the layer's local dispatcher, as the precision plan set it up (payload, FP8 rows)."""
 
     def transform(model) -> None:
         for layer in model.moe_layers():
             if layer.experts.num_experts != num_local:
                 keep_local_experts(layer.experts, range(num_local))
-            layer.dispatcher = BalancedDispatcher(num_local, payload)
+            layer.dispatcher = BalancedDispatcher(num_local, layer.dispatcher)
 
     return transform
 
@@ -93,7 +94,7 @@ def measure_rank(
     partial = num_local < config.moe.num_experts
     results, fb, opt, peak, kinds = [], [], [], [], []
     for depth in depths:
-        transform = rank_transform(num_local, config.precision.dispatch) if partial else None
+        transform = rank_transform(num_local) if partial else None
         fresh_compile()
         r = harness.bench_moetrain(
             with_layers(config, depth),
