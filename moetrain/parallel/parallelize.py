@@ -4,15 +4,19 @@ parameter names (checkpoints and parameter groups see the same names under every
     1. pipeline split            pp > 1: keep only this rank's stages (the schedule is built on
                                  the materialized model: pipeline.Pipeline)
     2. expert parallelism        shard experts over ep, install the dispatcher (apply_ep)
-    3. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
-    4. torch.compile             each block on its own
-    5. FSDP2                     parallel.data_parallel == "fsdp" (ddp: the optimizer's
+    3. two-chunk overlap         moe.overlap two_chunk: each MoE block's forward on two chunks,
+                                 its all-to-alls under the other chunk's compute
+                                 (overlap.apply_two_chunk)
+    4. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
+    5. torch.compile             each block on its own
+    6. FSDP2                     parallel.data_parallel == "fsdp" (ddp: the optimizer's
                                  GradientSync instead)
 
 The split comes first, so later steps touch only this rank's layers; EP changes parameter shapes
-and the dispatchers later steps wrap; checkpointing goes inside the compiled region; FSDP owns
-the final parameters (torchtitan's order). With fsdp, initialize before `parallelize` for the
-single-process weights of a seed.
+and the dispatchers later steps wrap; the overlap replaces block forwards that checkpointing then
+wraps; checkpointing goes inside the compiled region; FSDP owns the final parameters
+(torchtitan's order). With fsdp, initialize before `parallelize` for the single-process weights
+of a seed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from moetrain.parallel.comm import all_reduce_counts, traceable
 from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep
 from moetrain.parallel.mesh import ParallelDims
+from moetrain.parallel.overlap import apply_two_chunk
 from moetrain.parallel.pipeline import pipeline_layout, split_model
 
 
@@ -45,6 +50,7 @@ def parallelize(model: Transformer, config: RunConfig, dims: ParallelDims) -> Tr
             )
         split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
     apply_ep(model, dims, config)
+    apply_two_chunk(model, config, dims)
     apply_dp_load_balance(model, config, dims)
     apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
     if compile_blocks:
