@@ -24,8 +24,9 @@ from moetrain.config import MoEConfig
 from moetrain.moe.balance import load_balancing_loss, update_expert_bias
 from moetrain.moe.dispatch import Dispatcher, DispatchHandle, LocalDispatcher
 from moetrain.moe.experts import GroupedExperts
+from moetrain.moe.random_router import RandomRouter
 from moetrain.moe.recompute import is_recomputing
-from moetrain.moe.router import RoutingResult, TopKRouter
+from moetrain.moe.router import RouterConfig, RoutingResult, TopKRouter
 from moetrain.nn.mlp import SwiGLU
 
 
@@ -50,15 +51,12 @@ class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, d_model: int, *, seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.router = TopKRouter(
-            d_model,
-            config.num_experts,
-            config.top_k,
-            score_func=config.score_func,
-            renormalize=config.renormalize,
-            routing=config.routing,
-            use_bias=config.bias_update_rate > 0,
-            seed=seed,
+        # the router moe.routing names (a variant: moe/random_router.py); `seed` seeds its draws
+        router = RouterConfig.of(config)
+        self.router = (
+            RandomRouter(d_model, router, seed=seed)
+            if config.routing == "random"
+            else TopKRouter(d_model, router)
         )
         self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden)
         self.shared_expert = (

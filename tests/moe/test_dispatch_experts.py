@@ -3,7 +3,7 @@ import torch
 
 from moetrain.moe.dispatch import LocalDispatcher, inverse_permutation, sort_routes
 from moetrain.moe.experts import GroupedExperts, grouped_mm, grouped_mm_reference
-from moetrain.moe.router import TopKRouter
+from moetrain.moe.router import RouterConfig, TopKRouter
 
 
 @pytest.mark.parametrize("num_experts", [1, 8, 256, 257, 5000])
@@ -19,7 +19,7 @@ def test_route_sort_is_the_stable_argsort_and_its_inverse(num_experts):
 
 def test_dispatch_then_combine_with_identity_experts_is_exact():
     torch.manual_seed(0)
-    router = TopKRouter(16, 5, 3, renormalize=True)
+    router = TopKRouter(16, RouterConfig(num_experts=5, top_k=3, renormalize=True))
     x = torch.randn(40, 16)
     routing = router(x)
     d = LocalDispatcher()
