@@ -7,7 +7,7 @@ import torch
 from moetrain.config.presets import tiny
 from moetrain.model.transformer import Transformer
 from moetrain.moe.experts import GroupedExperts
-from moetrain.moe.router import TopKRouter
+from moetrain.moe.router import RouterConfig, TopKRouter
 from moetrain.tools import plan as P
 from moetrain.tools.bench.balanced import BalancedDispatcher
 from moetrain.tools.bench.measure_rank import rank_transform
@@ -18,7 +18,7 @@ from moetrain.tools.plan.rank_compute import rank_model_params
 def test_balanced_dispatch_equals_the_per_route_sum(num_local, top_k):
     torch.manual_seed(num_local)
     T, D, F, E = 10, 8, 16, 12
-    router = TopKRouter(D, E, top_k).double()
+    router = TopKRouter(D, RouterConfig(num_experts=E, top_k=top_k)).double()
     experts = GroupedExperts(num_local, D, F).double()
     torch.nn.init.normal_(experts.w_up_eD2F)
     torch.nn.init.normal_(experts.w_down_eFD)
@@ -98,6 +98,8 @@ def test_the_rank_model_keeps_the_precision_plan():
     for layer in model.moe_layers():
         assert layer.dispatcher.payload is FP8_PAYLOAD
         x = torch.randn(6, config.model.d_model)
-        rows, _, handle = layer.dispatcher.dispatch(x, TopKRouter(x.shape[1], 8, 2)(x))
+        rows, _, handle = layer.dispatcher.dispatch(
+            x, TopKRouter(x.shape[1], RouterConfig(num_experts=8, top_k=2))(x)
+        )
         q, scale = handle.rows_fp8
         assert q.shape == rows.shape and scale.shape == rows.shape[:1]

@@ -41,6 +41,7 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
 CORRUPT = ".corrupt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+EXTRA_STATE = "_extra_state"  # the state dict key of a module's `get_extra_state()`
 
 
 class CheckpointError(ValueError):
@@ -353,6 +354,15 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, buffer)
 
 
+def _drop_extra_state_not_saved(state: dict[str, Any], saved: set[str], prefix: str = "") -> None:
+    for key, value in list(state.items()):
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _drop_extra_state_not_saved(value, saved, name + ".")
+        elif name.endswith(EXTRA_STATE) and name not in saved:
+            del state[key]
+
+
 def check_shapes(path: Path | str, tensor_state: dict[str, Any]) -> None:
     """Compare every tensor's global shape with the checkpoint's before loading anything, so a
     checkpoint of another model shape is one readable error rather than a DCP stack trace."""
@@ -459,9 +469,12 @@ def resolve(path: Path | str, check_hashes: bool = True) -> Path:
 def load(
     path: Path | str, tensor_state: dict[str, Any], check_hashes: bool = True
 ) -> dict[str, Any]:
-    """Verify, then load tensors in place into `tensor_state`; returns the trainer state."""
+    """Verify, then load tensors in place into `tensor_state`; returns the trainer state. A
+    module's extra state (`nn.Module.get_extra_state`) that a checkpoint written before the
+    module had any lacks is left as it is (and removed from `tensor_state`)."""
     path = Path(path)
     verify(path, check_hashes)
+    _drop_extra_state_not_saved(tensor_state, set(read_metadata(path).state_dict_metadata))
     check_shapes(path, tensor_state)
     try:
         with _quiet_dcp():

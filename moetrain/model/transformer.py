@@ -2,11 +2,10 @@
 
 Letters: B batch, S sequence, D d_model, V vocabulary.
 Each block is pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)), ffn a MoE layer (a dense
-SwiGLU for the first `num_dense_layers`); with moe.overlap=two_chunk on two interleaved chunks
-(`Block._two_chunks`). Blocks are keyed by global index, so a pipeline stage keeps global names;
-`embed`, `norm` and `lm_head` are None in stages that do not own them. With document masking
-the forward derives the documents from the token ids once (a stage taking hidden states gets
-them as `input_ids`). Build on meta, parallelize, `to_empty`, then `init_weights(seed)`: a pure
+SwiGLU for the first `num_dense_layers`). Blocks are keyed by global index, so a pipeline stage
+keeps global names; `embed`, `norm` and `lm_head` are None in stages that do not own them. With
+document masking the forward derives the documents from the token ids once (a stage taking
+hidden states gets them as `input_ids`). Build on meta, parallelize, `to_empty`, then `init_weights(seed)`: a pure
 function of (seed, parameter name, global expert index), the same weights under any layout.
 """
 
@@ -50,34 +49,10 @@ class Block(nn.Module):
             self.ffn = SwiGLU(m.d_model, m.dense_hidden_size)
         else:
             self.ffn = MoELayer(config.moe, m.d_model, seed=config.train.seed * 1000 + layer_idx)
-        self.two_chunks = isinstance(self.ffn, MoELayer) and config.moe.overlap == "two_chunk"
 
     def forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-        if self.two_chunks and x_BSD.shape[0] > 1:
-            return self._two_chunks(x_BSD)
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), documents)
         return h_BSD + self.ffn(self.ffn_norm(h_BSD))
-
-    def _two_chunks(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        """The block on the micro-batch's sequences in two chunks, a and b, so that every
-        all-to-all has the other chunk's compute to run under (the dispatcher's halves move the
-        rows on a side stream, moetrain.parallel):
-
-            compute: attn a | attn b       | experts a  | experts b  | shared a, b |
-            links:          | dispatch a   | dispatch b | combine a  | combine b   |
-
-        Autograd runs the backward in the reverse order (combine b under the shared experts'
-        backward, combine a under experts b's, ...), so it overlaps the same way."""
-        moe = self.ffn
-        x_a, x_b = x_BSD.tensor_split(2)
-        h_a = x_a + self.attn(self.attn_norm(x_a))
-        a = moe.send(self.ffn_norm(h_a))
-        h_b = x_b + self.attn(self.attn_norm(x_b))
-        b = moe.send(self.ffn_norm(h_b), first=a)
-        moe.compute(a)
-        moe.compute(b)
-        y_a, y_b = moe.receive(a, b)
-        return torch.cat([h_a + y_a, h_b + y_b])
 
 
 class Transformer(nn.Module):

@@ -15,10 +15,6 @@ a dropped route contributes zero. With `handle.row_weights_N` the experts apply 
 without them). `handle.rows_fp8`: the rows already in row-scaled FP8, or (None, None); `payload`:
 what the rows travel as (moe/payload.py; the precision plan installs it). The MoE layer
 sees only this interface; expert parallelism swaps in dispatchers that move rows between ranks.
-
-moe.overlap runs both in halves so compute runs while rows move: `dispatch_begin(x_TD, routing)`
-launches the movement, `dispatch_end(pending)` waits for it on the device (and `combine_begin` /
-`combine_end` likewise). A dispatcher that moves nothing works in the begin half.
 """
 
 from __future__ import annotations
@@ -51,14 +47,6 @@ class Dispatcher(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]: ...
 
     def combine(self, y_ND: torch.Tensor, handle: Any) -> torch.Tensor: ...
-
-    def dispatch_begin(self, x_TD: torch.Tensor, routing: RoutingResult) -> Any: ...
-
-    def dispatch_end(self, pending: Any) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]: ...
-
-    def combine_begin(self, y_ND: torch.Tensor, handle: Any) -> Any: ...
-
-    def combine_end(self, pending: Any) -> torch.Tensor: ...
 
 
 @dataclass
@@ -107,19 +95,6 @@ class LocalDispatcher:
 
     def combine(self, y_ND: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
         return sum_routes(y_ND, handle.order_N, handle.inverse_order_TK)
-
-    # the halves (moe.overlap): nothing moves, so begin does the work and end hands it over
-    def dispatch_begin(self, x_TD, routing):
-        return self.dispatch(x_TD, routing)
-
-    def dispatch_end(self, pending):
-        return pending
-
-    def combine_begin(self, y_ND, handle):
-        return self.combine(y_ND, handle)
-
-    def combine_end(self, pending):
-        return pending
 
 
 def sort_routes(expert_ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:

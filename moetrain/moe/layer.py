@@ -7,28 +7,26 @@ pipeline stage and under checkpointing. `aux_grad_scale` is the factor the train
 its own loss (1 / accumulation steps; 1 / pipeline micro-batches under pp). Routing statistics
 accumulate in device buffers, read only when the trainer logs.
 
-moe.overlap=two_chunk runs the layer in halves on two chunks of a micro-batch (`send`,
-`compute`, `receive`, scheduled by model.transformer.Block between the chunks' attention);
-losses, gradients and statistics are those of `forward` on the whole micro-batch, with any
-dropless dispatcher (capacity mode only at a factor that drops nothing: each chunk would get half
-the capacity; moetrain.parallel refuses the rest).
+The forward is four parts a wrapper may also run on chunks of a micro-batch
+(parallel/overlap.py): the router, `finish_routing` (statistics, auxiliary loss), the
+dispatcher's dispatch and combine around `run_experts`, and the shared expert.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.moe.balance import load_balancing_loss, update_expert_bias
-from moetrain.moe.dispatch import Dispatcher, LocalDispatcher
+from moetrain.moe.dispatch import Dispatcher, DispatchHandle, LocalDispatcher
 from moetrain.moe.experts import GroupedExperts
+from moetrain.moe.random_router import RandomRouter
 from moetrain.moe.recompute import is_recomputing
-from moetrain.moe.router import RoutingResult, TopKRouter
+from moetrain.moe.router import RouterConfig, RoutingResult, TopKRouter
 from moetrain.nn.mlp import SwiGLU
 
 
@@ -49,45 +47,16 @@ class AddAuxLossGrad(torch.autograd.Function):
         return grad_y, grad_aux, None
 
 
-@dataclasses.dataclass
-class Chunk:
-    """A chunk of a micro-batch between the layer's halves."""
-
-    shape: torch.Size  # of the chunk's input (B, S, D)
-    x_TD: torch.Tensor
-    routing: RoutingResult
-    pending: Any  # the dispatch in flight, then the combine
-
-
-def _merge(a: RoutingResult, b: RoutingResult) -> RoutingResult:
-    """The routing of a micro-batch from its two chunks', for its losses and statistics: the
-    balance loss of all its routes, the z-loss as the mean over all its tokens."""
-    probs_TE = torch.cat([a.probs_TE, b.probs_TE])
-    counts_E = a.tokens_per_expert_E + b.tokens_per_expert_E
-    T_a, T_b = a.probs_TE.shape[0], b.probs_TE.shape[0]
-    return RoutingResult(
-        expert_ids_TK=torch.cat([a.expert_ids_TK, b.expert_ids_TK]),
-        weights_TK=torch.cat([a.weights_TK, b.weights_TK]),
-        tokens_per_expert_E=counts_E,
-        probs_TE=probs_TE,
-        lb_loss=load_balancing_loss(probs_TE, counts_E),
-        z_loss=(a.z_loss * T_a + b.z_loss * T_b) / (T_a + T_b),
-    )
-
-
 class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, d_model: int, *, seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.router = TopKRouter(
-            d_model,
-            config.num_experts,
-            config.top_k,
-            score_func=config.score_func,
-            renormalize=config.renormalize,
-            routing=config.routing,
-            use_bias=config.bias_update_rate > 0,
-            seed=seed,
+        # the router moe.routing names (a variant: moe/random_router.py); `seed` seeds its draws
+        router = RouterConfig.of(config)
+        self.router = (
+            RandomRouter(d_model, router, seed=seed)
+            if config.routing == "random"
+            else TopKRouter(d_model, router)
         )
         self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden)
         self.shared_expert = (
@@ -110,48 +79,29 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        routing = self._finish_routing(self.router(x_TD))
+        routing = self.finish_routing(self.router(x_TD))
         rows_ND, offsets_e, handle = self.dispatcher.dispatch(x_TD, routing)
-        y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N, handle.rows_fp8)
+        y_ND = self.run_experts(rows_ND, offsets_e, handle)
         y_TD = self.dispatcher.combine(y_ND, handle)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
         return y_TD.view(B, S, D)
 
-    # ---- in halves, on two chunks (moe.overlap=two_chunk) ------------------------------------
-    def send(self, x_BSD: torch.Tensor, first: Chunk | None = None) -> Chunk:
-        """Routes a chunk and launches its dispatch. The micro-batch's second chunk passes the
-        first: it carries the auxiliary losses of both (on its router weights) and records the
-        statistics of both, so that they are the whole micro-batch's."""
-        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routing = self.router(x_TD)
-        if first is not None:
-            routing = self._finish_routing(routing, first.routing)
-        return Chunk(x_BSD.shape, x_TD, routing, self.dispatcher.dispatch_begin(x_TD, routing))
+    def run_experts(
+        self, rows_ND: torch.Tensor, offsets_e: torch.Tensor, handle: DispatchHandle
+    ) -> torch.Tensor:
+        """The routed experts on a dispatch's rows (moe/dispatch.py)."""
+        return self.experts(rows_ND, offsets_e, handle.row_weights_N, handle.rows_fp8)
 
-    def compute(self, chunk: Chunk) -> None:
-        """Waits (on the device) for the chunk's rows, runs the experts, launches the combine."""
-        rows_ND, offsets_e, handle = self.dispatcher.dispatch_end(chunk.pending)
-        y_ND = self.experts(rows_ND, offsets_e, handle.row_weights_N, handle.rows_fp8)
-        chunk.pending = self.dispatcher.combine_begin(y_ND, handle)
-
-    def receive(self, a: Chunk, b: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both chunks' outputs: the shared expert of each first, under the combines still in
-        flight, then the waits. (No loops here or in the other halves: a graph break inside a
-        loop makes torch.compile run the whole frame eagerly.)"""
-        if self.shared_expert is not None:
-            shared_a, shared_b = self.shared_expert(a.x_TD), self.shared_expert(b.x_TD)
-        y_a, y_b = self.dispatcher.combine_end(a.pending), self.dispatcher.combine_end(b.pending)
-        if self.shared_expert is not None:
-            y_a, y_b = y_a + shared_a, y_b + shared_b
-        return y_a.view(a.shape), y_b.view(b.shape)
-
-    def _finish_routing(self, routing: RoutingResult, first: RoutingResult | None = None):
-        """In training: records the statistics of the micro-batch (`routing`, or `first` and
-        `routing`, its two chunks) and hangs its weighted auxiliary loss on `routing`'s weights."""
+    def finish_routing(
+        self, routing: RoutingResult, whole: RoutingResult | None = None
+    ) -> RoutingResult:
+        """In training: records the statistics of the micro-batch's routing `whole` (default:
+        `routing`; a wrapper that routes the micro-batch in chunks passes all of them merged)
+        and hangs its weighted auxiliary loss on `routing`'s weights."""
         if not self.training:
             return routing
-        whole = routing if first is None else _merge(first, routing)
+        whole = routing if whole is None else whole
         if not is_recomputing():
             self._record(whole)
         lb_loss = whole.lb_loss

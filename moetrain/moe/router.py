@@ -1,23 +1,23 @@
 """Top-k router: x_TD -> RoutingResult. No host syncs and no communication.
 
 Letters: T tokens, D model dim, E experts, K top-k.
-Scores are softmax (OLMoE) or sigmoid over all experts, in fp32. Experts are the top-k of the
-scores plus an optional per-expert bias (aux-loss-free balancing: it moves the selection, never
-the weights); weights are the selected scores, optionally renormalized. Random mode (benchmarks)
-draws K distinct experts per token from a seeded device generator; its weights are still the
-scores at the drawn experts, so compute and gradients keep their shape.
+Built from one `RouterConfig`: the router's own settings, resolved once from `moe.*`
+(`RouterConfig.of`; a new router setting is one field there, named as in MoEConfig). Scores are softmax (OLMoE) or sigmoid over all experts, in fp32. `select` picks
+each token's experts: the top-k of the scores plus an optional per-expert bias (aux-loss-free
+balancing: it moves the selection, never the weights); weights are the scores at the selected
+experts, optionally renormalized. A variant replaces `select` only (moe/random_router.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
+from moetrain.config import MoEConfig
 from moetrain.kernels.topk import route_topk
 from moetrain.moe import balance
-from moetrain.moe.recompute import forward_value
 
 
 @dataclass
@@ -30,32 +30,33 @@ class RoutingResult:
     z_loss: torch.Tensor  # unweighted, scalar
 
 
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """What a router runs. Each field but `balancing_bias` is the MoEConfig field of its name
+    (validated there); `of` copies them by name."""
+
+    num_experts: int
+    top_k: int
+    score_func: str = "softmax"  # softmax or sigmoid
+    renormalize: bool = False  # the top-k weights renormalized to sum to one
+    balancing_bias: bool = False  # aux-loss-free balancing: moe.bias_update_rate > 0
+
+    @classmethod
+    def of(cls, moe: MoEConfig) -> RouterConfig:
+        same = {f.name: getattr(moe, f.name) for f in fields(cls) if f.name != "balancing_bias"}
+        return cls(**same, balancing_bias=moe.bias_update_rate > 0)
+
+
 class TopKRouter(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        *,
-        score_func: str = "softmax",
-        renormalize: bool = False,
-        routing: str = "learned",
-        use_bias: bool = False,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, d_model: int, config: RouterConfig) -> None:
         super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
-        self.score_func, self.renormalize, self.routing = score_func, renormalize, routing
-        self.seed = seed
-        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.config = config
+        self.num_experts, self.top_k = config.num_experts, config.top_k
+        self.score_func, self.renormalize = config.score_func, config.renormalize
+        self.gate = nn.Linear(d_model, self.num_experts, bias=False)
         # Aux-loss-free balancing bias: a buffer (not trained by the optimizer, but checkpointed).
-        self.register_buffer(
-            "expert_bias_E", torch.zeros(num_experts) if use_bias else None, persistent=use_bias
-        )
-        self._generator: torch.Generator | None = None
-        # random-routing draws so far: a host int (seeding needs no device read), checkpointed by
-        # the trainer so that a resumed random-routing run draws the same experts
-        self.draws = 0
+        bias_E = torch.zeros(self.num_experts) if config.balancing_bias else None
+        self.register_buffer("expert_bias_E", bias_E, persistent=bias_E is not None)
 
     def forward(self, x_TD: torch.Tensor) -> RoutingResult:
         # fp32 scores for bf16 models; float64 stays float64 (reference tests)
@@ -67,16 +68,7 @@ class TopKRouter(nn.Module):
             scores_TE = logits_TE.sigmoid()
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
 
-        if self.routing == "random":
-            noise_TE = torch.rand(
-                logits_TE.shape, device=x_TD.device, generator=self._draw_rng(x_TD)
-            )
-            expert_ids_TK, tokens_per_expert_E = route_topk(noise_TE, self.top_k)
-        else:
-            selection_TE = scores_TE.detach()
-            if self.expert_bias_E is not None:
-                selection_TE = selection_TE + self.expert_bias_E
-            expert_ids_TK, tokens_per_expert_E = route_topk(selection_TE, self.top_k)
+        expert_ids_TK, tokens_per_expert_E = self.select(scores_TE.detach())
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
@@ -90,21 +82,13 @@ class TopKRouter(nn.Module):
             z_loss=balance.router_z_loss(logits_TE),
         )
 
-    def _draw_rng(self, x: torch.Tensor) -> torch.Generator:
-        """The generator for this forward's random experts, seeded by (seed, draw number); a
-        recompute reuses its forward's draw number (moe/recompute.py)."""
-        if self._generator is None or self._generator.device != x.device:
-            self._generator = torch.Generator(device=x.device)
-        draw = forward_value(self._next_draw)
-        self._generator.manual_seed(self.seed * 1_000_003 + draw)
-        return self._generator
-
-    def _next_draw(self) -> int:
-        self.draws += 1
-        return self.draws - 1
+    def select(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's K experts (int64 ids_TK) and the routes per expert (int64 counts_E) from
+        the detached scores."""
+        if self.expert_bias_E is not None:
+            scores_TE = scores_TE + self.expert_bias_E
+        return route_topk(scores_TE, self.top_k)
 
     def reset_buffers(self) -> None:
         if self.expert_bias_E is not None:
             self.expert_bias_E.zero_()
-        self._generator = None
-        self.draws = 0

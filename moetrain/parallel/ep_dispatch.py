@@ -11,11 +11,12 @@ offsets; `combine` returns y_TD = sum_k w_tk * y(route tk); differentiable).
 - `NoSyncDispatcher` (capacity mode): every shape is fixed by (T, K, G, capacity factor) before
   the step, every decision is made on the device, fixed blocks move. Dropped routes contribute
   zero (moe/capacity.py says why a capacity factor is required).
-Both also run in halves for moe.overlap (`dispatch_begin` / `_end`, `combine_begin` / `_end`:
-`comm.AsyncExchange`). `payload` (moe/payload.py; precision.dispatch, installed by the precision
-plan) is what the dispatched rows travel as; the combine and all gradients travel in the
-activations' dtype. Statistics count
-training forwards only (not under no_grad nor in recomputation), so each route counts once.
+Both are phases around one exchange each way (`ExpertParallel`); `launch` starts an exchange
+without waiting for it, which parallel/overlap.py runs under other compute (moe.overlap).
+`payload` (moe/payload.py; precision.dispatch, installed by the precision plan) is what the
+dispatched rows travel as; the combine and all gradients travel in the activations' dtype.
+Statistics count training forwards only (not under no_grad nor in recomputation), so each route
+counts once.
 """
 
 from __future__ import annotations
@@ -130,47 +131,44 @@ class ExchangeHandle:
     rows_fp8: FP8Rows = NO_FP8_ROWS  # the experts quantize the rows they receive
 
 
-class _ExpertParallel:
-    """The dispatcher protocol, whole and in halves (moe.overlap: begin launches the movement,
-    end waits for it on the device), from what each dispatcher defines: `_plan(x_TD, routing)`
-    -> (rows to send, handle, offsets_e) and `_move(rows, handle, forward, begin)`, one exchange
-    (`begin`: an `AsyncExchange` in flight)."""
+class ExpertParallel:
+    """The dispatcher protocol from phases around one exchange each way:
+
+        dispatch = plan -> exchange -> arrive        combine = depart -> exchange -> weighted_sum
+
+    `plan(x_TD, routing)` -> (rows to send, handle, offsets_e); `exchange(rows, handle, forward)`
+    moves rows (forward: the dispatch; else the combine's way back); `launch(rows, handle,
+    forward)` starts the same exchange and returns it in flight (`comm.AsyncExchange`: its `end()`
+    waits on the device and returns what `exchange` does). Subclasses define `plan`, `exchange`
+    and `launch`."""
 
     payload: Payload
 
     def dispatch(self, x_TD: torch.Tensor, routing: RoutingResult):
-        send_RD, handle, offsets_e = self._plan(x_TD, routing)
-        return self._arrive(self._move(send_RD, handle, True, False), handle, offsets_e)
-
-    def dispatch_begin(self, x_TD: torch.Tensor, routing: RoutingResult):
-        send_RD, handle, offsets_e = self._plan(x_TD, routing)
-        return self._move(send_RD, handle, True, True), handle, offsets_e
-
-    def dispatch_end(self, pending):
-        flight, handle, offsets_e = pending
-        return self._arrive(flight.end(), handle, offsets_e)
+        send_RD, handle, offsets_e = self.plan(x_TD, routing)
+        return self.arrive(self.exchange(send_RD, handle, True), handle, offsets_e)
 
     def combine(self, y_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
-        return self._sum(self._move(self._depart(y_RD, handle), handle, False, False), handle)
+        return self.weighted_sum(self.exchange(self.depart(y_RD, handle), handle, False), handle)
 
-    def combine_begin(self, y_RD: torch.Tensor, handle: ExchangeHandle):
-        return self._move(self._depart(y_RD, handle), handle, False, True), handle
-
-    def combine_end(self, pending) -> torch.Tensor:
-        flight, handle = pending
-        return self._sum(flight.end(), handle)
+    def _payload(self, forward: bool) -> Payload:
+        """The dispatched rows travel in `payload`; the combine's in the activations' dtype."""
+        return self.payload if forward else BF16_PAYLOAD
 
     # Every gather's backward is a gather by the inverse index (see moe.dispatch.gather_rows).
     @staticmethod
-    def _arrive(recv_RD, handle: ExchangeHandle, offsets_e):
+    def arrive(recv_RD, handle: ExchangeHandle, offsets_e):
+        """The received rows in expert-major order: what `dispatch` returns."""
         return gather_rows(recv_RD, handle.arrive_R, handle.arrive_back_R), offsets_e, handle
 
     @staticmethod
-    def _depart(y_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
+    def depart(y_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
+        """The experts' outputs in arrival order, to go back."""
         return gather_rows(y_RD, handle.depart_R, handle.arrive_R)
 
     @staticmethod
-    def _sum(back_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
+    def weighted_sum(back_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
+        """Each token's K returned routes weighted and summed: what `combine` returns."""
         T, K = handle.route_row_TK.shape
         y_N = gather_rows(back_RD, handle.route_row_TK.reshape(-1), handle.row_route_R)
         return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
@@ -187,11 +185,11 @@ def _sync_split_sizes(
     return sizes[: len(sizes) // 2], sizes[len(sizes) // 2 :]
 
 
-class AllToAllDispatcher(_ExpertParallel):
+class AllToAllDispatcher(ExpertParallel):
     """Sort routes by global expert (grouping them by destination rank), exchange counts, sync
     split sizes to the host, move exactly the routed rows, reorder them expert-major. Dropless
-    (`moe.capacity_factor` does not apply). In halves the sizes are still read on the host in
-    `dispatch_begin`; only the rows' movement overlaps."""
+    (`moe.capacity_factor` does not apply). The sizes are read on the host in `plan`, so a
+    launched exchange overlaps only the rows' movement."""
 
     def __init__(
         self, num_experts: int, group: ProcessGroup | None, payload: Payload = BF16_PAYLOAD
@@ -202,7 +200,7 @@ class AllToAllDispatcher(_ExpertParallel):
         assert num_experts % self.num_ranks == 0
         self.num_local = num_experts // self.num_ranks
 
-    def _plan(self, x_TD: torch.Tensor, routing: RoutingResult):
+    def plan(self, x_TD: torch.Tensor, routing: RoutingResult):
         G, e = self.num_ranks, self.num_local
         T, K = routing.expert_ids_TK.shape
         ids_N = routing.expert_ids_TK.reshape(-1)
@@ -213,7 +211,7 @@ class AllToAllDispatcher(_ExpertParallel):
         # 2. Exchange counts: recv_counts_Ge[s, x] = routes from rank s to my local expert x.
         send_counts_E = count_tokens_per_expert(ids_N, self.num_experts)
         recv_counts_Ge = all_to_all_counts(send_counts_E, self.group)
-        # 3. The host sync (4. the rows move in `_move`).
+        # 3. The host sync (4. the rows move in `exchange`).
         send_splits, recv_splits = _sync_split_sizes(
             send_counts_E.view(G, e).sum(1), recv_counts_Ge.sum(1)
         )
@@ -234,13 +232,18 @@ class AllToAllDispatcher(_ExpertParallel):
         )
         return send_ND, handle, offsets_e
 
-    def _move(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool, begin: bool):
+    def exchange(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool):
+        recv, send = self._splits(handle, forward)
+        return all_to_all(rows_RD, self.group, recv, send, payload=self._payload(forward))
+
+    def launch(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool):
+        recv, send = self._splits(handle, forward)
+        return AsyncExchange(self.group, recv, send, payload=self._payload(forward)).begin(rows_RD)
+
+    @staticmethod
+    def _splits(handle: ExchangeHandle, forward: bool) -> tuple[list[int], list[int]]:
         recv, send = handle.recv_splits, handle.send_splits
-        recv, send = (recv, send) if forward else (send, recv)
-        payload = self.payload if forward else BF16_PAYLOAD
-        if begin:
-            return AsyncExchange(self.group, recv, send, payload=payload).begin(rows_RD)
-        return all_to_all(rows_RD, self.group, recv, send, payload=payload)
+        return (recv, send) if forward else (send, recv)
 
     def read_stats(self, reset: bool = True) -> dict[str, torch.Tensor]:
         return {}  # dropless, no padding: nothing to report
@@ -291,7 +294,7 @@ def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int)
     return (block_rows - before_in_block_sdx).clamp(min=0).minimum(fits_expert_sdx)
 
 
-class NoSyncDispatcher(_ExpertParallel):
+class NoSyncDispatcher(ExpertParallel):
     """GPU-resident dispatch: count, share counts, decide, move fixed blocks, compute, return.
     Every rank must call it with the same T (training micro-batches do; ragged evaluation batches
     take AllToAllDispatcher). A rank's receive buffer is G blocks of
@@ -335,7 +338,7 @@ class NoSyncDispatcher(_ExpertParallel):
             num_tokens, top_k, self.num_ranks, self.num_experts, self.capacity_factor
         )
 
-    def _plan(self, x_TD: torch.Tensor, routing: RoutingResult):
+    def plan(self, x_TD: torch.Tensor, routing: RoutingResult):
         G, e, me = self.num_ranks, self.num_local, self.ep_rank
         T, K = routing.expert_ids_TK.shape
         expert_capacity, B = self.capacities(T, K)
@@ -355,7 +358,7 @@ class NoSyncDispatcher(_ExpertParallel):
         send_row_N = (ids_N // e) * B + block_start_sdx[me].reshape(-1)[ids_N] + pos_N
         send_row_N = torch.where(keep_N, send_row_N, R)
         # 4. Write routes into their blocks (padding rows carry token 0; nobody reads them and
-        #    their gradient is zero); `_move` exchanges the fixed blocks.
+        #    their gradient is zero); `exchange` moves the fixed blocks.
         route_of_row_R = _inverse_index(send_row_N, keep_N, R + 1, fill=T * K)  # row R: sink
         used_rows_R = route_of_row_R[:R] < T * K
         token_of_row_R = torch.where(used_rows_R, route_of_row_R[:R] // K, 0)
@@ -376,10 +379,12 @@ class NoSyncDispatcher(_ExpertParallel):
             self._record(keep_N, offsets_e, R)
         return send_RD, handle, offsets_e
 
-    def _move(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool, begin: bool):
-        # 6. (combine) the reverse movement; the weighted sum reads dropped routes as the sink
-        payload = self.payload if forward else BF16_PAYLOAD
-        return (self.transport.begin if begin else self.transport.exchange)(rows_RD, payload)
+    # 6. (combine) the reverse movement; the weighted sum reads dropped routes as the sink
+    def exchange(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool):
+        return self.transport.exchange(rows_RD, self._payload(forward))
+
+    def launch(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool):
+        return self.transport.begin(rows_RD, self._payload(forward))
 
     @staticmethod
     def _new_stats(device: torch.device | str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from moetrain.config import RunConfig
-from moetrain.moe.capacity import auto_dispatcher, keeps_every_route
+from moetrain.moe.capacity import auto_dispatcher
 from moetrain.moe.dispatch import Dispatcher, LocalDispatcher
 from moetrain.moe.layer import MoELayer
 from moetrain.optim.param_groups import param_kind
@@ -49,31 +49,12 @@ def make_dispatcher(config: RunConfig, dims: ParallelDims) -> Dispatcher:
     (the precision plan installs `precision.dispatch`'s payload: parallel/precision.py)."""
     kind = resolve_dispatcher(config, dims)
     num_experts = config.moe.num_experts
-    if kind == "no_sync" and config.moe.overlap == "two_chunk":
-        _check_two_chunk_capacity(config)
     if kind == "local":
         return LocalDispatcher()
     if kind == "all_to_all":
         return AllToAllDispatcher(num_experts, dims.ep_group)
     return NoSyncDispatcher(
         num_experts, dims.ep_group, dims.ep_rank, config.moe.capacity_factor, device=dims.device
-    )
-
-
-def _check_two_chunk_capacity(config: RunConfig) -> None:
-    """Capacity mode decides each chunk's drops on the chunk's own capacity, half the
-    micro-batch's, so the chunks would drop other routes than the whole micro-batch does, against
-    the overlap's equivalence with moe.overlap none. Only a factor that drops nothing keeps it."""
-    moe = config.moe
-    if keeps_every_route(moe.capacity_factor, moe.top_k, moe.num_experts):
-        return
-    auto = "" if moe.dispatcher == "no_sync" else f" (moe.dispatcher {moe.dispatcher!r}'s pick)"
-    raise ValueError(
-        f"moe.overlap ('two_chunk') cannot run on the no_sync dispatcher{auto} at "
-        f"moe.capacity_factor {moe.capacity_factor!r}: each chunk would get half the "
-        "micro-batch's capacity and drop other routes than moe.overlap none. Use the dropless "
-        "dispatcher (moe.capacity_factor null), a factor >= moe.num_experts / moe.top_k "
-        f"({moe.num_experts / moe.top_k:g}: nothing is dropped), or moe.overlap none"
     )
 
 

@@ -6,17 +6,21 @@ parameter names (checkpoints and parameter groups see the same names under every
     2. expert parallelism        shard experts over ep, install the dispatcher (apply_ep)
     3. precision                 install the precision plan: each module's GEMMs, the LM head's
                                  products, the dispatchers' payload (parallel/precision.py)
-    4. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
-    5. torch.compile             each block on its own
-    6. FSDP2                     parallel.data_parallel == "fsdp" (ddp: the optimizer's
+    4. two-chunk overlap         moe.overlap two_chunk: each MoE block's forward on two chunks,
+                                 its all-to-alls under the other chunk's compute
+                                 (overlap.apply_two_chunk)
+    5. activation checkpointing  recompute blocks ("full") or MoE layers ("moe") in backward
+    6. torch.compile             each block on its own
+    7. FSDP2                     parallel.data_parallel == "fsdp" (ddp: the optimizer's
                                  GradientSync instead), reducing in the plan's reduce dtype
 
 The split comes first, so later steps touch only this rank's layers; EP changes parameter shapes
 and the dispatchers later steps wrap; the precision plan goes into the dispatchers EP installed
-and before any compile traces a module; checkpointing goes inside the compiled region; FSDP owns
-the final parameters (torchtitan's order). The trainer resolves the precision plan once, before
-it builds the model (`resolve_precision`), and casts the parameters to the plan's dtype. With
-fsdp, initialize before `parallelize` for the single-process weights of a seed.
+and before any compile traces a module; the overlap replaces block forwards that checkpointing
+then wraps; checkpointing goes inside the compiled region; FSDP owns the final parameters
+(torchtitan's order). The trainer resolves the precision plan once, before it builds the model
+(`resolve_precision`), and casts the parameters to the plan's dtype. With fsdp, initialize before
+`parallelize` for the single-process weights of a seed.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from moetrain.parallel.comm import all_reduce_counts, traceable
 from moetrain.parallel.data import apply_fsdp
 from moetrain.parallel.expert import apply_ep
 from moetrain.parallel.mesh import ParallelDims
+from moetrain.parallel.overlap import apply_two_chunk
 from moetrain.parallel.pipeline import pipeline_layout, split_model
 from moetrain.parallel.precision import (
     PrecisionPlan,
@@ -66,6 +71,7 @@ def parallelize(
         split_model(model, pipeline_layout(config, dims.dp), dims.pp_rank)
     apply_ep(model, dims, config)
     apply_precision(model, precision)
+    apply_two_chunk(model, config, dims)
     apply_dp_load_balance(model, config, dims)
     apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
     if compile_blocks:

@@ -31,6 +31,7 @@ from moetrain.data import (
 from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.flops import flops_per_token
 from moetrain.model.transformer import Transformer
+from moetrain.moe.random_router import RandomRouter
 from moetrain.optim.adamw import AdamW
 from moetrain.optim.muon import Muon
 from moetrain.optim.schedule import lr_at
@@ -426,8 +427,6 @@ class Trainer:
             "train_loader": self.train_loader.state_dict(),
             "world_size": self.dims.world_size,
             "data_fingerprint": self.data_fingerprint,
-            # every router draws once per forward, so one number restores them all
-            "routing_draws": max((m.router.draws for m in self.model.moe_layers()), default=0),
             **({"loss_window": self.spikes.state_dict()} if self.spikes is not None else {}),
             **({"tokenizer": describe(self.tokenizer)} if self.tokenizer is not None else {}),
         }
@@ -467,8 +466,9 @@ class Trainer:
         if self.spikes is not None and "loss_window" in trainer_state:
             self.spikes.load_state_dict(trainer_state["loss_window"])
         self.train_loader.load_state_dict(trainer_state["train_loader"])
-        for layer in self.model.moe_layers():
-            layer.router.draws = trainer_state.get("routing_draws", 0)
+        for layer in self.model.moe_layers():  # before random routers kept their own draws
+            if isinstance(layer.router, RandomRouter) and "routing_draws" in trainer_state:
+                layer.router.draws = trainer_state["routing_draws"]
         self.step_graph = self._build_step_graph()  # a captured graph would hold replaced tensors
 
     def load_weights(self, path: str | Path) -> None:

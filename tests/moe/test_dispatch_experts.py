@@ -8,7 +8,7 @@ from moetrain.moe.experts import (
     grouped_mm,
     grouped_mm_reference,
 )
-from moetrain.moe.router import TopKRouter
+from moetrain.moe.router import RouterConfig, TopKRouter
 
 
 @pytest.mark.parametrize("num_experts", [1, 8, 256, 257, 5000])
@@ -24,7 +24,7 @@ def test_route_sort_is_the_stable_argsort_and_its_inverse(num_experts):
 
 def test_dispatch_then_combine_with_identity_experts_is_exact():
     torch.manual_seed(0)
-    router = TopKRouter(16, 5, 3, renormalize=True)
+    router = TopKRouter(16, RouterConfig(num_experts=5, top_k=3, renormalize=True))
     x = torch.randn(40, 16)
     routing = router(x)
     d = LocalDispatcher()

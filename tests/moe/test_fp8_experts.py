@@ -153,12 +153,12 @@ def test_dispatcher_fp8_rows_are_the_quantized_rows(payload):
     gathered K-fold, bit for bit `quantize_rows` of the rows it hands over (after the FP8
     payload's rounding, if any); with the default (the bf16 experts') there are none."""
     from moetrain.moe.dispatch import LocalDispatcher
-    from moetrain.moe.router import TopKRouter
+    from moetrain.moe.router import RouterConfig, TopKRouter
     from moetrain.nn.fp8 import quantize_rows
 
     torch.manual_seed(0)
     x = torch.randn(50, 64, dtype=torch.bfloat16)
-    routing = TopKRouter(64, 6, 3).to(torch.bfloat16)(x)
+    routing = TopKRouter(64, RouterConfig(num_experts=6, top_k=3)).to(torch.bfloat16)(x)
     quantized = FP8RowwiseGroupedGemm().quantized_rows
     rows, _, handle = LocalDispatcher(PAYLOADS[payload], quantized).dispatch(x, routing)
     q, scale = handle.rows_fp8

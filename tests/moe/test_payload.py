@@ -15,7 +15,7 @@ from moetrain.moe.payload import (
     fp8_round_trip,
     fp8_round_trip_reference,
 )
-from moetrain.moe.router import TopKRouter
+from moetrain.moe.router import RouterConfig, TopKRouter
 
 
 def test_packed_rows_hold_the_fp8_elements_and_the_row_scale():
@@ -65,7 +65,7 @@ def test_loop_back_is_the_packed_rows_decoded_straight_through():
 
 def test_local_dispatcher_fp8_rows_are_the_rounded_tokens():
     T, D, E, K = 24, 32, 8, 2
-    router = TopKRouter(D, E, K)
+    router = TopKRouter(D, RouterConfig(num_experts=E, top_k=K))
     torch.nn.init.normal_(router.gate.weight)
     x = torch.randn(T, D)
     with torch.no_grad():

@@ -3,13 +3,25 @@ import math
 import pytest
 import torch
 
+from moetrain.config import MoEConfig
 from moetrain.moe import balance
-from moetrain.moe.router import TopKRouter
+from moetrain.moe.layer import MoELayer
+from moetrain.moe.random_router import RandomRouter
+from moetrain.moe.router import RouterConfig, TopKRouter
+
+
+def moe(num_experts: int, top_k: int, **fields) -> MoEConfig:
+    return MoEConfig(num_experts=num_experts, top_k=top_k, **fields)
+
+
+def router_config(num_experts: int, top_k: int, **fields) -> RouterConfig:
+    """The router's config as the MoE layer resolves it from moe.*."""
+    return RouterConfig.of(moe(num_experts, top_k, **fields))
 
 
 def test_topk_matches_brute_force():
     torch.manual_seed(0)
-    router = TopKRouter(16, 10, 3)
+    router = TopKRouter(16, router_config(10, 3))
     x = torch.randn(50, 16)
     r = router(x)
     scores = (x @ router.gate.weight.T).softmax(-1)
@@ -24,15 +36,15 @@ def test_topk_matches_brute_force():
 
 
 def test_renormalized_weights_sum_to_one():
-    router = TopKRouter(8, 6, 2, score_func="sigmoid", renormalize=True)
+    router = TopKRouter(8, router_config(6, 2, score_func="sigmoid", renormalize=True))
     r = router(torch.randn(20, 8))
     torch.testing.assert_close(r.weights_TK.sum(-1), torch.ones(20))
 
 
 def test_random_routing_is_uniform_and_seeded():
     E, K, T = 8, 2, 4000
-    a = TopKRouter(16, E, K, routing="random", seed=7)
-    b = TopKRouter(16, E, K, routing="random", seed=7)
+    a = RandomRouter(16, router_config(E, K), seed=7)
+    b = RandomRouter(16, router_config(E, K), seed=7)
     b.load_state_dict(a.state_dict())
     x = torch.randn(T, 16)
     ra, rb = a(x), b(x)
@@ -42,9 +54,37 @@ def test_random_routing_is_uniform_and_seeded():
     expected = T * K / E
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 24.3, chi2  # 99.9% quantile of chi-square with 7 degrees of freedom
-    c = TopKRouter(16, E, K, routing="random", seed=8)
+    c = RandomRouter(16, router_config(E, K), seed=8)
     c.load_state_dict(a.state_dict())
     assert not torch.equal(c(x).expert_ids_TK, ra.expert_ids_TK)
+
+
+def test_random_router_draws_travel_in_its_state_dict():
+    """A router loaded from another's state dict continues its draws (what a checkpoint keeps)
+    instead of starting over; the counter stays on the CPU (read without a device sync)."""
+    config, x = router_config(8, 2), torch.randn(64, 16)
+    drawn = RandomRouter(16, config, seed=3)
+    first = drawn(x).expert_ids_TK
+    for _ in range(2):
+        drawn(x)
+    resumed = RandomRouter(16, config, seed=3)
+    resumed.load_state_dict(drawn.state_dict())
+    assert resumed.draws == drawn.draws == 3 and resumed.get_extra_state().device.type == "cpu"
+    fourth = drawn(x).expert_ids_TK
+    assert torch.equal(resumed(x).expert_ids_TK, fourth)
+    assert not torch.equal(fourth, first)
+
+
+def test_moe_routing_random_builds_the_random_router():
+    """moe.routing: random gives the MoE layer a router whose experts are not the top-k of its
+    scores; learned, the same gate's top-k."""
+    x = torch.randn(64, 16)
+    learned = MoELayer(moe(8, 2), 16)
+    random = MoELayer(moe(8, 2, routing="random"), 16, seed=1)
+    random.router.gate.load_state_dict(learned.router.gate.state_dict())
+    top_TK = (x @ learned.router.gate.weight.T).topk(2, dim=-1).indices.sort(-1).values
+    assert torch.equal(learned.router(x).expert_ids_TK.sort(-1).values, top_TK)
+    assert not torch.equal(random.router(x).expert_ids_TK.sort(-1).values, top_TK)
 
 
 def test_load_balancing_loss_is_one_under_perfect_balance_and_grows():
@@ -68,7 +108,7 @@ def test_z_loss_formula():
 
 
 def test_bias_moves_selection_not_weights():
-    router = TopKRouter(8, 4, 1, use_bias=True)
+    router = TopKRouter(8, router_config(4, 1, bias_update_rate=1e-3))
     x = torch.randn(32, 8)
     before = router(x)
     router.expert_bias_E[:] = torch.tensor([10.0, 0, 0, 0])
@@ -81,7 +121,7 @@ def test_bias_moves_selection_not_weights():
 
 def test_bias_update_reduces_imbalance():
     torch.manual_seed(0)
-    router = TopKRouter(16, 8, 2, use_bias=True)
+    router = TopKRouter(16, router_config(8, 2, bias_update_rate=1e-3))
     router.gate.weight.data[0] += 0.2  # skew towards expert 0
     x = torch.randn(512, 16) + 0.5
     start = balance.load_imbalance(router(x).tokens_per_expert_E).item()

@@ -1,8 +1,9 @@
 """moe.overlap=two_chunk equals the plain block: the same loss and gradients, several ranks.
 
 Each case builds two models the trainer's way (meta -> parallelize -> to_empty -> init_weights)
-from one seed, with and without the overlap, runs one forward and backward of this rank's batch
-through each, and compares the loss and the first MoE layer's gradients (router, the rank's
+from one seed, with and without the overlap (the recipe's step: the first MoE layer's router runs
+twice as often), runs one forward and backward of this rank's batch through each, and compares
+the loss and the first MoE layer's gradients (router, the rank's
 experts, the shared expert where there is one): fp32 within 1e-5 of each tensor's largest value
 (sums in other orders), bf16 within the multi-rank tolerances of tests/gpu/test_gpu_multirank.py
 (loss 1e-3 relative, gradients 2% in norm). The `gpu` tests run the same cases with ranks
@@ -34,10 +35,12 @@ from moetrain.config import (
 )
 from moetrain.config.presets import get_preset
 from moetrain.model.transformer import Transformer, build_model
+from moetrain.moe.layer import MoELayer
 from moetrain.moe.payload import FP8_PAYLOAD
 from moetrain.parallel import init_distributed, parallelize
 from moetrain.parallel.ep_dispatch import NoSyncDispatcher
 from moetrain.parallel.loopback import LoopbackTransport
+from moetrain.parallel.overlap import two_chunk_forward
 
 pytestmark = pytest.mark.distributed
 
@@ -72,11 +75,22 @@ def _loss_and_grads(config: RunConfig, dtype: torch.dtype, device: str, batch: t
     model.init_weights()
     model.to(dtype)
     batch = batch.to(dims.device)
+    layer = model.moe_layers()[0]
+    calls = []
+    layer.router.register_forward_hook(lambda *_: calls.append(1))
     loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
     loss.backward()
-    layer = model.moe_layers()[0]
     grads = {n: p.grad.float().cpu() for n, p in layer.named_parameters()}
-    return loss.detach().float().cpu(), grads
+    return loss.detach().float().cpu(), grads, len(calls)
+
+
+def two_chunked(model: Transformer) -> Transformer:
+    """`model` with moe.overlap's block forward installed by hand (the recipe's
+    `apply_two_chunk` without its capacity check), for dispatchers installed by hand."""
+    for block in model.blocks.values():
+        if isinstance(block.ffn, MoELayer):
+            block.forward = two_chunk_forward(block)
+    return model
 
 
 def run_cases(rank: int, world: int, cases: list, device: str = "cpu") -> int:
@@ -89,6 +103,7 @@ def run_cases(rank: int, world: int, cases: list, device: str = "cpu") -> int:
             for o in ("none", "two_chunk")
         )
         what = f"rank {rank} ep {ep} {dispatcher} {dtype} {extra}"
+        assert overlapped[2] == 2 * plain[2] > 0, (what, plain[2], overlapped[2])
         exact = dtype == torch.float32
         loss_err = (plain[0] - overlapped[0]).abs() / plain[0].abs()
         assert loss_err <= (1e-6 if exact else 1e-3), (what, loss_err)
@@ -130,6 +145,8 @@ def test_two_chunk_with_the_loopback_transport_in_one_process():
             layer.dispatcher = NoSyncDispatcher(
                 8, None, 0, 4.0, transport=LoopbackTransport(), payload=FP8_PAYLOAD
             )
+        if overlap == "two_chunk":
+            two_chunked(model)
         loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
         results.append((loss.detach(), [p.grad for p in model.parameters()]))
@@ -179,6 +196,8 @@ def test_two_chunk_in_capacity_mode_with_drops_is_a_start_up_error():
         model = build_model(overlap_config(overlap, 1, "local"))
         for layer in model.moe_layers():
             layer.dispatcher = NoSyncDispatcher(8, None, 0, 1.25, transport=LoopbackTransport())
+        if overlap == "two_chunk":
+            two_chunked(model)
         results.append(_drops_and_loss(model, batch))
     (drops, loss), (chunked_drops, chunked_loss) = results
     assert 0 < drops < chunked_drops and loss != chunked_loss
@@ -203,7 +222,7 @@ def _loopback_model(device: str = "cuda") -> Transformer:
     model = build_model(overlap_config("two_chunk", 1, "local", shared=1), device=device)
     for layer in model.moe_layers():
         layer.dispatcher = NoSyncDispatcher(8, None, 0, 4.0, transport=LoopbackTransport())
-    return model.to(torch.bfloat16)
+    return two_chunked(model).to(torch.bfloat16)
 
 
 def _sanitized_step(skip_wait: bool, device: str = "cuda") -> None:

@@ -15,6 +15,7 @@ from conftest import two_source_mix
 from moetrain.checkpoint import manager
 from moetrain.cli import main
 from moetrain.config.presets import tiny
+from moetrain.moe.random_router import RandomRouter
 from moetrain.train.trainer import Trainer, TrainingStopped
 
 
@@ -182,7 +183,8 @@ def test_resume_is_bitwise_with_document_masking_on_a_two_source_mix(tmp_path):
 
 
 def test_resume_is_bitwise_with_random_routing(tmp_cache, tmp_path):
-    """The random-routing draw counter travels in the checkpoint, so experts are redrawn alike."""
+    """The random routers' draw counters travel in the checkpoint (each router's own state), so
+    experts are redrawn alike."""
     common = ("train.steps=8", "train.checkpoint_every=4", "moe.routing=random")
     Trainer(_cfg(*common), tmp_path / "full", progress=False).train()
     Trainer(
@@ -190,6 +192,33 @@ def test_resume_is_bitwise_with_random_routing(tmp_cache, tmp_path):
         tmp_path / "part",
         progress=False,
     ).train()
+    Trainer(_cfg(*common), tmp_path / "part", resume=True, progress=False).train()
+    full, part = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
+    assert [full[s] for s in (6, 8)] == [part[s] for s in (6, 8)]
+
+
+def test_resume_is_bitwise_from_a_checkpoint_with_the_draws_in_the_trainer_state(
+    tmp_cache, tmp_path, monkeypatch
+):
+    """Checkpoints written before the random routers kept their draws in their own state recorded
+    the count as trainer.json's routing_draws: resuming one reads it there, and stays bitwise."""
+    common = ("train.steps=8", "train.checkpoint_every=4", "moe.routing=random")
+    Trainer(_cfg(*common), tmp_path / "full", progress=False).train()
+    own_state = Trainer.trainer_state
+    with monkeypatch.context() as before:  # the checkpoint the code before wrote
+        before.delattr(RandomRouter, "get_extra_state")
+        before.setattr(
+            Trainer,
+            "trainer_state",
+            lambda self: {
+                **own_state(self),
+                "routing_draws": max(m.router.draws for m in self.model.moe_layers()),
+            },
+        )
+        Trainer(_cfg(*common[1:], "train.steps=4"), tmp_path / "part", progress=False).train()
+    saved = tmp_path / "part" / "checkpoints" / "step-4"
+    assert json.loads((saved / manager.TRAINER_STATE).read_text())["routing_draws"] > 0
+    assert not [k for k in manager.read_metadata(saved).state_dict_metadata if "extra" in k]
     Trainer(_cfg(*common), tmp_path / "part", resume=True, progress=False).train()
     full, part = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "part")
     assert [full[s] for s in (6, 8)] == [part[s] for s in (6, 8)]
