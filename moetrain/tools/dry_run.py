@@ -46,7 +46,7 @@ from moetrain.tools.plan import (
 from moetrain.tools.plan.cli import wide_console
 from moetrain.tools.plan.layout import OVERHEAD_GIB
 from moetrain.tools.plan.run_memory import run_memory
-from moetrain.train.build import resolve_param_dtype
+from moetrain.train.model_build import resolve_param_dtype
 
 
 def param_dtype(config: RunConfig) -> torch.dtype:
@@ -56,7 +56,7 @@ def param_dtype(config: RunConfig) -> torch.dtype:
 
 def on_device(config: RunConfig, device_type: str) -> RunConfig:
     """`config` with precision.param_dtype as the trainer resolves it on `device_type`
-    (`train.build.resolve_param_dtype`: auto is bf16 on CUDA, fp32 elsewhere), so that the dry
+    (`train.model_build.resolve_param_dtype`: auto is bf16 on CUDA, fp32 elsewhere), so that the dry
     run and the memory check describe the parameters a run there has."""
     dtype = resolve_param_dtype(config, torch.device(device_type))
     precision = dataclasses.replace(

@@ -16,7 +16,7 @@ from torch import nn
 from moetrain.config import ParallelConfig
 from moetrain.config.presets import tiny
 from moetrain.parallel import GradientSync, init_distributed
-from moetrain.train.build import resolve_grad_dtype
+from moetrain.train.optimizer_build import resolve_grad_dtype
 
 MICRO = 8
 

@@ -216,7 +216,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_cache, tmp_path, monkeypatch
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(TrainingStopped, match="consecutive"):
         trainer.train()
-    assert trainer.skipped_total >= 4
+    assert trainer.bad_steps.skipped_total >= 4
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert (tmp_path / "run" / "checkpoints" / f"step-{trainer.step}").is_dir()

@@ -118,7 +118,7 @@ class PrecisionBytes:
 def precision_bytes(config: RunConfig) -> PrecisionBytes:
     """auto: the GPU recipe (bf16 parameters, fp32 master and moments). Gradients live in
     ShardedAdamW's flat buckets, in fp32 with `precision.grad_dtype=fp32` (the default; see
-    `train.build.resolve_grad_dtype`), else in the parameters' dtype."""
+    `train.optimizer_build.resolve_grad_dtype`), else in the parameters' dtype."""
     p = config.precision
     if p.param_dtype == "fp32":
         return PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4)

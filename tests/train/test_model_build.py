@@ -1,4 +1,4 @@
-"""Start-up choices of train/build.py that fail with the field to change."""
+"""Start-up choices of train/model_build.py that fail with the field to change."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moetrain.config.presets import tiny
-from moetrain.train.build import resolve_param_dtype
+from moetrain.train.model_build import resolve_param_dtype
 
 
 def test_fp32_parameters_with_compiled_blocks_are_a_start_up_error():
@@ -31,7 +31,7 @@ def test_fp8_linears_are_installed_and_checked_at_start_up():
     from moetrain.model.transformer import Transformer
     from moetrain.nn.attention import Attention
     from moetrain.nn.mlp import SwiGLU
-    from moetrain.train.build import apply_precision
+    from moetrain.train.model_build import apply_precision
 
     config = tiny().with_overrides(
         ["precision.linear=fp8_rowwise", "model.num_dense_layers=1", "model.dense_hidden=96"]
@@ -50,16 +50,16 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_start_up_error(monkeypatch):
     naming the GPU, never a silent emulation."""
     from moetrain.model.transformer import Transformer
     from moetrain.moe import grouped_gemm
-    from moetrain.train import build
+    from moetrain.train import model_build
 
     reason = "FP8 tensor-core GEMMs need compute capability 9.x or 10.x; NVIDIA A100 has 8.0"
-    monkeypatch.setattr(build, "fp8_unsupported_reason", lambda device: reason)
+    monkeypatch.setattr(model_build, "fp8_unsupported_reason", lambda device: reason)
     monkeypatch.setattr(grouped_gemm, "fp8_unsupported_reason", lambda device: reason)
     cuda = torch.device("cuda")
     for field in ("precision.linear", "precision.experts", "precision.lm_head"):
         config = tiny().with_overrides([f"{field}=fp8_rowwise"])
         with pytest.raises(ValueError, match=f"{field}=fp8_rowwise is unavailable: .*A100"):
-            build.apply_precision(Transformer(config), config, cuda)
+            model_build.apply_precision(Transformer(config), config, cuda)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -69,9 +69,9 @@ def test_fp8_accumulation_choice_reaches_every_fp8_product(monkeypatch, fast):
     from moetrain.model.transformer import Transformer
     from moetrain.moe import grouped_gemm
     from moetrain.nn.attention import Attention
-    from moetrain.train import build
+    from moetrain.train import model_build
 
-    monkeypatch.setattr(build, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(model_build, "fp8_unsupported_reason", lambda device: None)
     monkeypatch.setattr(grouped_gemm, "fp8_unsupported_reason", lambda device: None)
     config = tiny().with_overrides(
         [
@@ -82,7 +82,7 @@ def test_fp8_accumulation_choice_reaches_every_fp8_product(monkeypatch, fast):
         ]
     )
     model = Transformer(config)
-    build.apply_precision(model, config, torch.device("cuda"))
+    model_build.apply_precision(model, config, torch.device("cuda"))
     gemms = [layer.experts.gemm for layer in model.moe_layers()]
     assert gemms and all(not g.emulated and g.use_fast_accum is fast for g in gemms)
     assert all(layer.dispatcher.fp8_rows for layer in model.moe_layers())  # the fused MLP's
@@ -95,7 +95,7 @@ def test_fp8_lm_head_is_an_emulation_on_cpu_and_checks_its_widths():
     """precision.lm_head=fp8_rowwise: the head's products in FP8 (an emulation on the CPU); a
     vocabulary the kernels cannot take is an error naming it."""
     from moetrain.model.transformer import Transformer
-    from moetrain.train.build import apply_precision
+    from moetrain.train.model_build import apply_precision
 
     config = tiny().with_overrides(["precision.lm_head=fp8_rowwise"])
     model = Transformer(config)
