@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from moetrain.config import RunConfig
 from moetrain.train.console import Console
-from moetrain.train.metrics_jsonl import JsonlWriter
+from moetrain.train.metrics_jsonl import METRICS_FILE, JsonlWriter
 from moetrain.train.tensorboard_log import TensorBoardWriter
 from moetrain.train.wandb_log import WandbWriter
 
@@ -60,8 +60,9 @@ def open_metrics(
     start_step: int,
     resumed: bool,
 ) -> Metrics:
-    """The run's hub. `console`: show progress and lines (the main rank only); `resumed`: from
-    a checkpoint of this run directory (W&B continues its run)."""
+    """The run's hub. `console`: show progress and lines (the main rank only); `start_step`:
+    the step the run starts at (metrics.jsonl drops its records past it); `resumed`: from a
+    checkpoint of this run directory (W&B continues its run)."""
     t = config.train
     shown = Console(t.steps, start_step, enabled=console and is_main)
     if not is_main:
@@ -72,7 +73,13 @@ def open_metrics(
         wandb = WandbWriter(
             run_dir, t.wandb_project, config.name, config.to_dict(), resumed=resumed
         )
-    sinks: list[Sink] = [JsonlWriter(run_dir)]
+    jsonl = JsonlWriter(run_dir, start_step=start_step)
+    if jsonl.dropped:
+        shown.print(
+            f"{METRICS_FILE}: dropped {jsonl.dropped} records past step {start_step}, "
+            "which this run redoes"
+        )
+    sinks: list[Sink] = [jsonl]
     tensorboard = TensorBoardWriter(run_dir)  # without the package: says so, and is left out
     if tensorboard.enabled:
         sinks.append(tensorboard)

@@ -14,6 +14,7 @@ JSONL sink of the metrics hub (`JsonlWriter`; train/metrics.py) and read back by
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,16 +25,22 @@ METRICS_FILE = "metrics.jsonl"
 class JsonlWriter:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl, flushed each line, so a crash
     loses at most the line being written; a line a crash cut short is left alone and the next
-    record starts on a fresh line."""
+    record starts on a fresh line. A run that starts at step `start_step` (a resume: its
+    checkpoint's step) first drops the records past it, which the run redoes (a crash after the
+    last checkpoint logged them once already), and the lines cut short: each step appears once.
+    `dropped` counts the records it dropped."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, *, start_step: int = 0) -> None:
         self.path = Path(run_dir) / METRICS_FILE
+        self.dropped = 0
+        needs_newline = False
         if self.path.exists() and self.path.stat().st_size:
             with self.path.open("rb") as f:
                 f.seek(-1, 2)
                 needs_newline = f.read(1) != b"\n"
-        else:
-            needs_newline = False
+            self.dropped = _drop_records_after(self.path, start_step)
+            if self.dropped:
+                needs_newline = False  # rewritten whole lines
         self._file = self.path.open("a")
         if needs_newline:
             self._file.write("\n")
@@ -48,9 +55,30 @@ class JsonlWriter:
             self._file = None
 
 
+def _drop_records_after(path: Path, step: int) -> int:
+    """Rewrite `path` (atomically) without the records past `step` and the lines cut short;
+    returns how many records it dropped (0: the file is left as it is)."""
+    kept, dropped = [], 0
+    with path.open() as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and int(record.get("step", step)) > step:
+                dropped += 1
+            else:
+                kept.append(line.rstrip("\n") + "\n")
+    if dropped:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
+    return dropped
+
+
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train records, eval records), sorted by step, from a metrics.jsonl file or its run
-    directory. A step logged twice (a resume from an older checkpoint) keeps its latest record;
+    directory. A step logged twice (a file an older moetrain resumed into) keeps its latest record;
     invalid JSON lines (cut short by a crash) and other kinds are skipped."""
     path = Path(path)
     if path.is_dir():

@@ -83,6 +83,25 @@ def test_a_record_after_a_line_cut_short_starts_on_a_fresh_line(tmp_path):
     assert [(r["step"], r["loss"]) for r in train] == [(10, 3.0), (20, 2.6)]
 
 
+def test_a_resumed_run_drops_the_records_it_redoes(tmp_path):
+    """Resumed at step 20, the records past it (and a line cut short) are dropped before the
+    run's own are appended: each step once; a start at the file's last step drops nothing."""
+    lines = [_train(10, 3.0), {"kind": "eval", "step": 20, "val_loss": 3.1}, _train(20, 2.6)]
+    lines += [_train(30, 2.5), {"kind": "eval", "step": 30, "val_loss": 2.9}]
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "train", "step": 40, "lo'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    writer = JsonlWriter(tmp_path, start_step=20)
+    assert writer.dropped == 2
+    writer.write(_train(30, 2.4))
+    writer.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [*lines[:3], _train(30, 2.4)]
+    writer = JsonlWriter(tmp_path, start_step=30)
+    assert writer.dropped == 0
+    writer.close()
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 4
+
+
 # --- metrics.jsonl ----------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,30 @@ def test_resume_is_bitwise(tmp_cache, tmp_path, monkeypatch):
         ta.model.state_dict().items(), tb.model.state_dict().items(), strict=True
     ):
         assert torch.equal(p, q), name
+
+
+def test_a_resume_after_a_crash_logs_each_step_once(tmp_cache, tmp_path, capsys):
+    """A run that logged steps past its newest checkpoint (its step-4 checkpoint lost, as by a
+    crash in that save) redoes them on resume: metrics.jsonl then holds each step once, the
+    redone steps' records, whose losses equal the first attempt's (the resume is bitwise)."""
+    run = tmp_path / "run"
+    cfg = _cfg(
+        "train.steps=4", "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=2"
+    )
+    Trainer(cfg, run, progress=False).train()
+    first = _train_losses(run)
+    newest = manager.list_complete(run / "checkpoints")[-1]
+    shutil.rmtree(newest)
+    capsys.readouterr()
+    resumed = Trainer(cfg, run, resume=True, progress=True)
+    assert resumed.step == 2
+    resumed.train()
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)
+    ]  # fmt: skip
+    assert _train_losses(run) == first
+    assert "metrics.jsonl: dropped 3 records past step 2" in capsys.readouterr().out
 
 
 def test_resume_is_bitwise_on_a_two_source_mix(tmp_path, capsys):
