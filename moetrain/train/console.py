@@ -101,7 +101,11 @@ def _format(record: dict[str, Any]) -> str:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
     if record.get("moe"):
         worst = max(layer["max_mean"] for layer in record["moe"])
-        parts.append(f"load max/mean {worst:.2f}")
+        load = f"load max/mean {worst:.2f}"
+        peaks = [layer["max_mean_peak"] for layer in record["moe"] if layer.get("max_mean_peak")]
+        if peaks:  # the worst single step: the interval's summed load averages it away
+            load += f" (step peak {max(peaks):.2f})"
+        parts.append(load)
     if record.get("skipped_steps"):
         parts.append(f"skipped {record['skipped_steps']}")
     return "  ".join(parts)

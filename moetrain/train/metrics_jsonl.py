@@ -4,7 +4,8 @@ JSONL sink of the metrics hub (`JsonlWriter`; train/metrics.py) and read back by
 
     {"kind": "train", "step", "loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
      "tflops", "mfu", "peak_mem_gib", "skipped_steps", "spike_steps", "time",
-     "moe": [{"layer": int, **routing_summary}] (train/routing_stats.py),
+     "moe": [{"layer": int, **routing_summary}] (train/routing_stats.py: the interval's load
+             "max_mean", its worst step's "max_mean_peak", "cv", "zero_frac", ...),
      "epoch": completed passes over the training data (a mix: "epoch_per_source": {source: int}),
      "tokens_per_source": {source: int} (a mix of data.sources only)}
     {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix only),
@@ -25,12 +26,12 @@ METRICS_FILE = "metrics.jsonl"
 class JsonlWriter:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl, flushed each line, so a crash
     loses at most the line being written; a line a crash cut short is left alone and the next
-    record starts on a fresh line. A run that starts at step `start_step` (a resume: its
-    checkpoint's step) first drops the records past it, which the run redoes (a crash after the
-    last checkpoint logged them once already), and the lines cut short: each step appears once.
-    `dropped` counts the records it dropped."""
+    record starts on a fresh line. Given the step a run starts at (`start_step`; a resume: its
+    checkpoint's step), it first drops the records past it, which the run redoes (a crash after
+    the last checkpoint logged them once already), and the lines cut short: each step appears
+    once. `dropped` counts the records it dropped."""
 
-    def __init__(self, run_dir: str | Path, *, start_step: int = 0) -> None:
+    def __init__(self, run_dir: str | Path, *, start_step: int | None = None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.dropped = 0
         needs_newline = False
@@ -38,7 +39,8 @@ class JsonlWriter:
             with self.path.open("rb") as f:
                 f.seek(-1, 2)
                 needs_newline = f.read(1) != b"\n"
-            self.dropped = _drop_records_after(self.path, start_step)
+            if start_step is not None:
+                self.dropped = _drop_records_after(self.path, start_step)
             if self.dropped:
                 needs_newline = False  # rewritten whole lines
         self._file = self.path.open("a")

@@ -1,5 +1,7 @@
 """Routing statistics, a producer of the train record's "moe" entries: the measured expert load
-of each MoE layer over a log interval (`routing_summary`, `summarize_moe_stats`), and a warning
+of each MoE layer over a log interval (`routing_summary`, `summarize_moe_stats`), the worst
+step's load within it (`StepLoadPeak`: the interval's summed load averages early peaks away),
+and a warning
 when the balance loss improves while that load gets worse (`TokenGamingDetector`: the balance
 loss can be gamed, the measured load cannot).
 """
@@ -27,10 +29,13 @@ def routing_summary(
     entropy: Number | None = None,
     dropped: Number | None = None,
     routed: Number | None = None,
+    max_mean_peak: Number | None = None,
 ) -> dict[str, Any]:
     """Load statistics of one MoE layer over a log interval, as plain Python numbers, from
     `tokens_per_expert` (routes per expert). Keys:
     - max_mean: max / mean load (1.0 is perfect balance, E means one expert takes everything);
+    - max_mean_peak: the largest max / mean load of one step on one rank in the interval
+      (`StepLoadPeak`; None when not measured);
     - cv: population standard deviation / mean of the load (0.0 is perfect balance);
     - zero_frac: fraction of experts that received no route;
     - entropy: mean per-token router entropy in nats (None when not measured);
@@ -61,6 +66,7 @@ def routing_summary(
     lb, z = float(lb_loss), float(z_loss)
     return {
         "max_mean": max_mean,
+        "max_mean_peak": None if max_mean_peak is None else float(max_mean_peak),
         "cv": cv,
         "zero_frac": float((load_E == 0).sum()) / load_E.size,
         "entropy": None if entropy is None else float(entropy),
@@ -80,8 +86,9 @@ def summarize_moe_stats(
     z_weight: float,
 ) -> list[dict[str, Any]]:
     """`{layer: MoELayer.read_stats()}` -> the "moe" list of a train record, one dict per layer,
-    from one device-to-host copy. Optional stats keys: "entropy", "dropped", "routed" (scalars)."""
-    optional = ("entropy", "dropped", "routed")
+    from one device-to-host copy. Optional stats keys: "entropy", "dropped", "routed",
+    "max_mean_peak" (scalars)."""
+    optional = ("entropy", "dropped", "routed", "max_mean_peak")
     flat: list[torch.Tensor] = []
     for stats in stats_by_layer.values():
         flat.append(stats["tokens_per_expert"].reshape(-1).double())
@@ -107,6 +114,30 @@ def summarize_moe_stats(
         )
         summaries.append({"layer": int(layer), **summary})
     return summaries
+
+
+class StepLoadPeak:
+    """The largest max / mean expert load of one optimizer step since the last `read`, per MoE
+    layer, from the routes this rank's micro-batches sent in the step (`update`, before any
+    reduction over the ranks). Kept on the device (no host sync; a step graph updates it in
+    place); the train record reduces it over the ranks with a max."""
+
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        self.peak_L = torch.zeros(num_layers, device=device)
+
+    def update(self, step_tokens_per_expert: Sequence[torch.Tensor]) -> None:
+        """One step's routes per expert, one tensor per MoE layer."""
+        if not step_tokens_per_expert:
+            return
+        load_LE = torch.stack(list(step_tokens_per_expert)).float()
+        ratio_L = load_LE.amax(dim=1) / load_LE.mean(dim=1).clamp_min(1e-9)
+        self.peak_L.copy_(torch.maximum(self.peak_L, ratio_L))
+
+    def read(self) -> torch.Tensor:
+        """The peaks since the last read (a copy); zeroed in place for the next interval."""
+        peak_L = self.peak_L.clone()
+        self.peak_L.zero_()
+        return peak_L
 
 
 class TokenGamingDetector:

@@ -23,7 +23,7 @@ _TB_TAGS = {
     "peak_mem_gib": "perf/peak_mem_gib",
     "epoch": "data/epoch",
 }
-_TB_MOE_KEYS = ("max_mean", "cv", "zero_frac", "entropy", "lb_loss", "drop_frac")
+_TB_MOE_KEYS = ("max_mean", "max_mean_peak", "cv", "zero_frac", "entropy", "lb_loss", "drop_frac")
 
 
 class TensorBoardWriter:

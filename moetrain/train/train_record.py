@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moetrain.config import RunConfig
 from moetrain.data import MixedLoader, source_labels
@@ -24,7 +25,7 @@ from moetrain.parallel.expert import read_dispatch_stats
 from moetrain.parallel.mesh import ParallelDims
 from moetrain.parallel.pipeline import Pipeline
 from moetrain.train.bad_steps import BadSteps
-from moetrain.train.routing_stats import TokenGamingDetector, summarize_moe_stats
+from moetrain.train.routing_stats import StepLoadPeak, TokenGamingDetector, summarize_moe_stats
 from moetrain.train.throughput import Throughput, peak_memory_gib
 
 ROUTER_MEANS = ("lb_loss", "z_loss", "entropy")  # means over the dp ranks, like the loss
@@ -36,16 +37,19 @@ def collect_log_values(
     moe_names: list[str],
     pipeline: Pipeline | None,
     dims: ParallelDims,
+    load_peak: StepLoadPeak,
 ) -> tuple[dict[str, torch.Tensor], list[dict], dict[int, torch.Tensor]]:
     """(accumulator values, each MoE layer's statistics, receive-buffer rows used / allocated by
     layer index: NoSync's, this rank's value, without a pipeline). The accumulators are zeroed
     in place after the read: a captured step graph adds into these very tensors. Over several
     ranks the loss and the good-step count are means over dp, the router's losses and entropy
-    too, and the token and drop counts are sums."""
+    too, the token and drop counts are sums, and the worst step's load (`load_peak`) a max."""
     values = {k: v.clone() for k, v in acc.items()}
     for v in acc.values():
         v.zero_()
     stats = [layer.read_stats() for layer in model.moe_layers()]
+    for s, peak in zip(stats, load_peak.read(), strict=True):
+        s["max_mean_peak"] = peak
     dispatch = read_dispatch_stats(model)
     utilization = {}
     for i, (name, s) in enumerate(zip(moe_names, stats, strict=True)):
@@ -62,6 +66,11 @@ def collect_log_values(
         for s, row in zip(stats, means_L3, strict=True):
             row.copy_(torch.stack([s[k] for k in ROUTER_MEANS]))
         all_reduce_stats([scalars, means_L3, *counts], dims)
+        if stats and dims.dp_group is not None:
+            peak_L = torch.stack([s["max_mean_peak"] for s in stats])
+            dist.all_reduce(peak_L, op=dist.ReduceOp.MAX, group=dims.dp_group)
+            for s, peak in zip(stats, peak_L, strict=True):
+                s["max_mean_peak"] = peak
         values["loss"], values["good"] = scalars[0] / dims.dp, scalars[1] / dims.dp
         for s, row in zip(stats, means_L3 / dims.dp, strict=True):
             s.update(zip(ROUTER_MEANS, row, strict=True))
@@ -87,6 +96,7 @@ class TrainRecords:
         self.moe_names = [n for n, m in model.named_modules() if m in moe_layers]
         self.throughput = Throughput(flops_per_token(config), dims.device)
         self.gaming = TokenGamingDetector()
+        self.load_peak = StepLoadPeak(len(self.moe_names), dims.device)  # updated by each step
         self.labels = source_labels(config.data) if config.data.sources else None
         self.passes = train_loader.passes()  # completed passes over the data (per source)
 
@@ -97,7 +107,7 @@ class TrainRecords:
         sums and `bad_steps.sums`) are zeroed, and the skips added to `bad_steps`' totals."""
         t = self.config.train
         values, stats, utilization = collect_log_values(
-            sums, self.model, self.moe_names, self.pipeline, self.dims
+            sums, self.model, self.moe_names, self.pipeline, self.dims, self.load_peak
         )
         host = {k: v.item() for k, v in values.items()}
         good = max(host["good"], 1.0)
@@ -121,8 +131,8 @@ class TrainRecords:
             record["moe"][i]["buffer_utilization"] = float(value)
         loader = self.train_loader
         if isinstance(loader, MixedLoader):  # the counts are global, equal on all ranks
-            labels = source_labels(self.config.data)
-            record["tokens_per_source"] = dict(zip(labels, loader.tokens_per_source(), strict=True))
+            counts = loader.tokens_per_source()
+            record["tokens_per_source"] = dict(zip(self.labels, counts, strict=True))
         record.update(self._epochs(loader.passes(), step))
         for key in ("lb_loss", "z_loss"):
             layers = [layer[key] for layer in record["moe"]]

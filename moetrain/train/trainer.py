@@ -221,6 +221,8 @@ class Trainer:
 
     def _end_of_step_moe(self) -> None:
         layers = self.model.moe_layers()
+        # the step's worst load, from this rank's routes (before the bias update sums them)
+        self.records.load_peak.update([layer.step_tokens_per_expert_E for layer in layers])
         if self.config.moe.bias_update_rate > 0 and self.dims.world_size > 1:
             all_reduce_stats([layer.step_tokens_per_expert_E for layer in layers], self.dims)
         for layer in layers:

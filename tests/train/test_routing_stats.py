@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from moetrain.train.routing_stats import TokenGamingDetector, routing_summary, summarize_moe_stats
+from moetrain.train.routing_stats import (
+    StepLoadPeak,
+    TokenGamingDetector,
+    routing_summary,
+    summarize_moe_stats,
+)
 
 
 def _summary(tokens, **kwargs):
@@ -67,6 +72,24 @@ def test_rejects_bad_shapes():
         _summary(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="non-empty"):
         _summary([])
+
+
+def test_step_load_peak_is_the_worst_steps_max_over_mean():
+    """Fresh random loads of 3 layers over 5 steps: each layer's peak is the largest max/mean
+    of one step (numpy), not that of the summed load; a read starts the next interval at 0."""
+    gen = torch.Generator().manual_seed(0)
+    peak = StepLoadPeak(3, torch.device("cpu"))
+    steps = [torch.randint(0, 50, (3, 8), generator=gen) for _ in range(5)]
+    for load_LE in steps:
+        peak.update(list(load_LE))
+    loads = np.stack([s.numpy() for s in steps]).astype(np.float64)  # (step, layer, expert)
+    expected = (loads.max(axis=2) / loads.mean(axis=2)).max(axis=0)
+    assert peak.read().tolist() == pytest.approx(expected.tolist(), rel=1e-6)
+    summed = loads.sum(axis=0)
+    assert (summed.max(axis=1) / summed.mean(axis=1) < expected).all()  # averaged away
+    assert peak.read().tolist() == [0.0, 0.0, 0.0]
+    peak.update([])  # a model without MoE layers
+    assert _summary([4, 4], max_mean_peak=2.5)["max_mean_peak"] == 2.5
 
 
 def test_summarize_moe_stats_matches_per_layer_summaries():

@@ -286,6 +286,26 @@ def test_sigterm_saves_and_exits_zero(tmp_cache, tmp_path):
     assert summary["stopped_early"] and Path(summary["checkpoint"]).is_dir()
 
 
+def test_the_worst_steps_load_is_logged_next_to_the_intervals(tmp_cache, tmp_path, capsys):
+    """Logged every 4 steps, each layer's max_mean_peak is the largest max/mean of one step: the
+    max of the same run's per-step max_mean logged every step; the console shows it."""
+    every_step = _records_of(_cfg("train.steps=8", "train.log_every=1"), tmp_path / "a")
+    capsys.readouterr()
+    every_4 = _records_of(_cfg("train.steps=8", "train.log_every=4"), tmp_path / "b", True)
+    assert "(step peak " in capsys.readouterr().out
+    for step in (4, 8):
+        for layer in range(2):
+            per_step = [every_step[s]["moe"][layer]["max_mean"] for s in range(step - 3, step + 1)]
+            logged = every_4[step]["moe"][layer]
+            assert logged["max_mean_peak"] == pytest.approx(max(per_step), rel=1e-5)
+            assert logged["max_mean"] <= logged["max_mean_peak"]
+
+
+def _records_of(config, run_dir: Path, progress: bool = False) -> dict[int, dict]:
+    Trainer(config, run_dir, progress=progress).train()
+    return _records(run_dir, "train")
+
+
 def test_a_run_stopped_between_evaluations_reports_when_its_val_loss_was_measured(
     tmp_cache, tmp_path, monkeypatch
 ):
