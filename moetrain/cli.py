@@ -116,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     if trainer.is_main and trainer.step >= trainer.config.train.steps:
         print(
-            f"note: the run in {trainer.run_dir} is already at train.steps "
+            f"note: the run in {trainer.run_dir.path} is already at train.steps "
             f"({trainer.config.train.steps}): nothing to train; continue it with --resume --set "
             "train.steps=N (a larger N)",
             file=sys.stderr,

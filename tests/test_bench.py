@@ -50,7 +50,7 @@ def test_warmed_trainer_is_the_benchmarks_trainer_after_its_warm_up_steps():
         assert trainer.step == 2 and trainer.train_loader.batches == 2
         inputs, targets = next(it)
         assert inputs.shape == (cfg.train.micro_batch_size, cfg.train.seq_len)
-        run_dir = trainer.run_dir
+        run_dir = trainer.run_dir.path
         assert run_dir.exists()
     assert not run_dir.exists()  # a temporary run directory, removed afterwards
 

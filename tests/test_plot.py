@@ -69,7 +69,7 @@ def test_plot_run_writes_pngs(tmp_path):
     assert all(p.parent == tmp_path / "plots" for p in paths)
     _assert_pngs(paths, ["loss.png", "tasks.png", "throughput.png", "lr.png", "expert_load.png"])
     # the curves drawn besides validation: each eval set's loss, each task's acc and acc_norm
-    from moetrain.train.observe import read_metrics
+    from moetrain.train.metrics_jsonl import read_metrics
 
     evals = read_metrics(tmp_path)[1]
     assert _nested(evals, "eval_sets") == {"wiki": ([40, 80], [3.0, -1.0])}

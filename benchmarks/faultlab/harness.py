@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetrain.checkpoint import manager
 from moetrain.config.presets import tiny
-from moetrain.train.observe import read_metrics
+from moetrain.train.metrics_jsonl import read_metrics
 from moetrain.train.trainer import Trainer
 
 # Every run logs each step (the loss of each step is compared) and checkpoints every 2 steps.

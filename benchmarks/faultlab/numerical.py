@@ -11,7 +11,7 @@ import torch
 
 from moetrain.checkpoint import manager
 from moetrain.train import step as train_step
-from moetrain.train.observe import read_metrics
+from moetrain.train.metrics_jsonl import read_metrics
 from moetrain.train.trainer import TrainingStopped
 
 from .harness import Outcome, error_of, train_tiny
@@ -56,7 +56,7 @@ def numerical_faults(work: Path) -> list[Outcome]:
         seen: list[dict[str, torch.Tensor]] = []
         with poison(kind, {12}, seen):
             trainer = train_tiny(work / f"numeric_{kind.replace(' ', '_')}", 16, *SPIKE)
-        records = {r["step"]: r for r in read_metrics(trainer.run_dir)[0]}
+        records = {r["step"]: r for r in read_metrics(trainer.run_dir.path)[0]}
         skipped = all(torch.equal(seen[11][k], seen[12][k]) for k in seen[11])
         moved = any(not torch.equal(seen[12][k], seen[13][k]) for k in seen[12])
         counted = records[16]["skipped_steps"] == 1

@@ -28,24 +28,20 @@ from .harness import (
 )
 
 
-def _steps_after(run_dir: Path, offset: int) -> list[int]:
-    """The steps of the records written after byte `offset` of metrics.jsonl."""
+def _steps_since(run_dir: Path, started: float) -> list[int]:
+    """The steps of the train records metrics.jsonl holds that were logged after `started` (a
+    time.time()): those of a restart begun then (a restart first drops the records past its
+    checkpoint's step, so byte offsets do not last)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    with path.open("rb") as f:
-        f.seek(offset)
-        lines = f.read().decode(errors="replace").splitlines()
     steps = []
-    for line in lines:
-        with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
-            steps.append(int(json.loads(line)["step"]))
+    for line in path.read_bytes().decode(errors="replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            record = json.loads(line)
+            if record["kind"] == "train" and record["time"] >= started:
+                steps.append(int(record["step"]))
     return steps
-
-
-def _metrics_size(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return path.stat().st_size if path.exists() else 0
 
 
 # ---- kill anywhere -------------------------------------------------------------------------------
@@ -62,14 +58,19 @@ def kill_anywhere(work: Path, cache: Path, kills: int = 4, steps: int = 24, seed
     restarts: list[dict[str, Any]] = []
 
     def restart(**fault: str) -> subprocess.Popen:
-        newest, offset = newest_step(run), _metrics_size(run)
-        restarts.append({"newest": newest, "offset": offset, "redo": last_logged(run) - newest})
+        newest, started = newest_step(run), time.time()
+        restarts.append({"newest": newest, "started": started, "redo": last_logged(run) - newest})
         return subprocess.Popen(
             [sys.executable, *train_cli(run, steps)],
             env={**env, **fault},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
+
+    def logged(r: dict[str, Any]) -> None:
+        """Once the restart `r` ended (the next one may drop its records): it logged first the
+        step after the checkpoint it resumed from."""
+        r["resumed_from_newest"] = _steps_since(run, r["started"])[:1] == [r["newest"] + 1]
 
     mid_save = 0
     for _ in range(kills):
@@ -80,7 +81,7 @@ def kill_anywhere(work: Path, cache: Path, kills: int = 4, steps: int = 24, seed
         started = time.time()
         proc = restart()
         while proc.poll() is None and time.time() < started + 120:
-            if max(_steps_after(run, restarts[-1]["offset"]), default=0) >= target:
+            if max(_steps_since(run, restarts[-1]["started"]), default=0) >= target:
                 break
             time.sleep(0.005)
         time.sleep(rng.uniform(0.0, 0.1))
@@ -88,6 +89,7 @@ def kill_anywhere(work: Path, cache: Path, kills: int = 4, steps: int = 24, seed
             raise RuntimeError(f"the run ended before its kill: {proc.stderr.read()[-3000:]}")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        logged(restarts[-1])
         partial = (run / "checkpoints").glob("step-*.tmp")
         mid_save += any(p.stat().st_mtime >= started for p in partial)
 
@@ -96,15 +98,15 @@ def kill_anywhere(work: Path, cache: Path, kills: int = 4, steps: int = 24, seed
     marker = work / "kill_in_save.fired"
     proc = restart(MOETRAIN_FAULT=f"kill-in-save:{in_save_step}", MOETRAIN_FAULT_ONCE=str(marker))
     proc.wait(timeout=120)
+    logged(restarts[-1])
     killed_in_save = proc.returncode == -signal.SIGKILL and marker.exists()
     partial_left = (run / "checkpoints" / f"step-{in_save_step}.tmp").is_dir()
 
     _, err = restart().communicate(timeout=300)
+    logged(restarts[-1])
     if last_logged(run) != steps:
         raise RuntimeError(f"the final run did not finish: {err[-3000:]}")
 
-    for r in restarts:  # a restart logs first the step after the checkpoint it resumed from
-        r["resumed_from_newest"] = _steps_after(run, r["offset"])[:1] == [r["newest"] + 1]
     after_kill = restarts[1:]  # restarts[0] is the first start
     lost = lost_steps(run, reference)
     details = {

@@ -287,12 +287,13 @@ class Pipeline:
 
     @torch.no_grad()
     def gather_moe_stats(self, stats: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
-        """Routing statistics of this rank's MoE layers (`MoELayer.read_stats()`, in
-        `model.moe_layers()` order, "dropped" optional) -> those of every MoE layer of the model,
-        in model order, on every rank: one all-reduce over pp (each layer lives on one stage)."""
+        """Routing statistics of this rank's MoE layers (`MoELayer.read_stats()` and
+        "max_mean_peak", in `model.moe_layers()` order, "dropped" optional) -> those of every
+        MoE layer of the model, in model order, on every rank: one all-reduce over pp (each
+        layer lives on one stage)."""
         num_experts = self.config.moe.num_experts
         num_moe = self.config.model.num_layers - self.config.model.num_dense_layers
-        scalars = ("lb_loss", "z_loss", "entropy", "dropped")
+        scalars = ("lb_loss", "z_loss", "entropy", "max_mean_peak", "dropped")
         width = num_experts + len(scalars) + 1  # the last column flags "dropped" present
         rows = torch.zeros(num_moe, width, dtype=torch.float64, device=self.dims.device)
         for position, layer in zip(self._moe_positions, stats, strict=True):

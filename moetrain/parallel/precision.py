@@ -14,8 +14,8 @@ recipe). Modules never read the settings: they run the objects they hold.
     reduce_dtype   FSDP2's gradient reduction                         grad_dtype
 
 A choice this device cannot run fails here, naming the field; an emulation (FP8 off the GPU) or
-a setting that changes nothing is a note. Also resolved here, for the optimizer that train/build.py
-builds: `resolve_grad_dtype` (precision.grad_dtype under DDP and the sharded optimizers; the
+a setting that changes nothing is a note. Also resolved here, for the optimizer that
+train/optimizer_build.py builds: `resolve_grad_dtype` (precision.grad_dtype under DDP and the sharded optimizers; the
 master weights are precision.master_weights as it is), and what the precision means for the
 whole-step CUDA graph (`cuda_graph_blocker`).
 """

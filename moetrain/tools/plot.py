@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from moetrain.train.metrics_jsonl import read_metrics
+
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write the charts of `run_dir` into `out_dir` (default RUN_DIR/plots); return their paths."""
     run_dir = Path(run_dir)
-    from moetrain.train.observe import read_metrics  # imports torch: only when plotting
-
     train, evals = read_metrics(run_dir)
     if not train and not evals:
         raise ValueError(f"{run_dir} has no train or eval records to plot")

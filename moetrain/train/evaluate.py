@@ -6,7 +6,7 @@ Row i goes to dp rank i mod dp, in micro-batches of the training shape padded wi
 so every rank runs the same forwards (EP and pipeline collectives need it). A row's summed NLL
 lands in its own slot of a float64 vector summed over dp and pp: one contributor a slot, so the
 sum is exact. One host read per evaluation; nothing is checkpointed. The record is
-metrics.jsonl's "eval" kind (train/observe.py). `evaluate_checkpoint` is `moetrain eval`.
+metrics.jsonl's "eval" kind (train/metrics_jsonl.py). `evaluate_checkpoint` is `moetrain eval`.
 """
 
 from __future__ import annotations

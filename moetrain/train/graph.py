@@ -5,9 +5,10 @@ Nothing in the step waits for the host, so it is a fixed kernel sequence; what c
 steps travels through memory the graph reads (the micro-batches copied into static buffers, the
 learning rate into a device scalar). The first `warmup` steps run eagerly on a side stream
 (compilation, autotuning and optimizer state happen before capture). `unsupported_reason` and
-`multi_process_reason` name what cannot be graphed. Several processes are graphed only with
-`train.cuda_graph=true`, and a failed capture then raises on that rank: one that went on eagerly
-would issue collectives its peers replay inside a graph.
+`multi_process_reason` name what cannot be graphed; `build_step_graph` applies
+`train.cuda_graph`. Several processes are graphed only with `train.cuda_graph=true`, and a
+failed capture then raises on that rank: one that went on eagerly would issue collectives its
+peers replay inside a graph.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
+from moetrain.config import RunConfig
 from moetrain.parallel.expert import resolve_dispatcher
+from moetrain.parallel.mesh import ParallelDims
 from moetrain.parallel.precision import cuda_graph_blocker
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -111,6 +115,26 @@ class StepGraph:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.static_loss = self.step_fn(iter(self.static_batches), self.lr)
         self.graph = graph
+
+
+def build_step_graph(
+    step_fn: StepFn, config: RunConfig, dims: ParallelDims, adamw_kernel: str
+) -> StepGraph | None:
+    """The step graph `train.cuda_graph` asks for: None graphs one process where supported;
+    several processes only when set to true (NCCL capture has not run on several GPUs yet);
+    true on a run that cannot be graphed is an error naming why."""
+    choice = config.train.cuda_graph
+    multi = dims.world_size > 1
+    if choice is False or (choice is None and multi):
+        return None
+    backend = dist.get_backend() if multi else None
+    reason = StepGraph.unsupported_reason(config, dims, dims.device, adamw_kernel, backend)
+    if choice is None and reason is not None:
+        return None
+    if reason is not None:
+        raise ValueError(f"train.cuda_graph (true): cannot graph this run: {reason}")
+    accum_steps = config.grad_accum_steps(dims.dp)
+    return StepGraph(step_fn, accum_steps, dims.device, strict=choice is True)
 
 
 NCCL_CAPTURE_VERSION = (2, 9, 6)  # the first NCCL whose collectives a CUDA graph can capture

@@ -1,8 +1,9 @@
-"""Weights & Biases (`train.wandb_project`): an optional mirror of metrics.jsonl, next to
-TensorBoard, logging `scalar_tags` at the training step. Without an API key the run logs offline
-into the run directory (`wandb sync` uploads it). The run id is kept in RUN_DIR/wandb-run-id: a
-resume from a checkpoint continues that run; every other start begins a new one (W&B would drop
-steps older than the old run's).
+"""Weights & Biases (`train.wandb_project`): an optional sink of the metrics hub
+(train/metrics.py) that mirrors metrics.jsonl next to TensorBoard, logging the TensorBoard tags
+(`scalar_tags`) at the training step. Without an API key the run logs offline into the run
+directory (`wandb sync` uploads it). The run id is kept in RUN_DIR/wandb-run-id: a resume from a
+checkpoint continues that run; every other start begins a new one (W&B would drop steps older
+than the old run's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moetrain.train.observe import scalar_tags
+from moetrain.train.tensorboard_log import scalar_tags
 
 RUN_ID_FILE = "wandb-run-id"
 

@@ -21,7 +21,7 @@ from moetrain.optim.newton_schulz import newton_schulz, newton_schulz_reference
 from moetrain.optim.param_groups import build_param_groups
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.mesh import ParallelDims
-from moetrain.train.build import build_optimizer
+from moetrain.train.optimizer_build import build_optimizer
 
 SHAPES = [(6, 48, 96), (5, 96, 40), (3, 64, 64), (1, 24, 160)]  # wide, tall, square, one
 # bf16 rounds X, the Gram matrix and the polynomial at each of the 5 steps (2^-9 relative each):

@@ -38,7 +38,7 @@ from moetrain.parallel.data import fsdp_mesh
 from moetrain.parallel.expert import globalize_experts, read_dispatch_stats
 from moetrain.parallel.mesh import ParallelDims
 from moetrain.parallel.precision import apply_precision, resolve_precision
-from moetrain.train.build import build_optimizer
+from moetrain.train.optimizer_build import build_optimizer
 
 pytestmark = pytest.mark.distributed
 

@@ -92,7 +92,7 @@ def test_spike_detection_alone_changes_nothing(tmp_path, module_cache):
     """With no spike in the run, enabling detection leaves every loss bitwise the same."""
     harness.train_tiny(tmp_path / "off", 16)
     on = harness.train_tiny(tmp_path / "on", 16, *numerical.SPIKE)
-    assert on.spike_total == 0 and int(on.spikes.count) == 16
+    assert on.bad_steps.spike_total == 0 and int(on.bad_steps.spikes.count) == 16
     assert harness.losses(tmp_path / "on") == harness.losses(tmp_path / "off")
 
 
@@ -106,10 +106,10 @@ def test_the_loss_window_is_restored_on_resume(tmp_path, module_cache):
     with numerical.poison("spike", {2}, []):  # the resumed process's second step: step 10
         resumed = harness.train_tiny(tmp_path / "part", 14, *numerical.SPIKE)
     assert resumed.resumed_from.name == "step-8"
-    assert full.spike_total == resumed.spike_total == 1
+    assert full.bad_steps.spike_total == resumed.bad_steps.spike_total == 1
     assert harness.losses(tmp_path / "part") == harness.losses(tmp_path / "full")
-    assert torch.equal(resumed.spikes.losses_W, full.spikes.losses_W)
-    assert int(resumed.spikes.count) == int(full.spikes.count) == 13
+    assert torch.equal(resumed.bad_steps.spikes.losses_W, full.bad_steps.spikes.losses_W)
+    assert int(resumed.bad_steps.spikes.count) == int(full.bad_steps.spikes.count) == 13
 
 
 def _spike_on_rank0(rank, world, run_dir, cache):
@@ -126,7 +126,7 @@ def _spike_on_rank0(rank, world, run_dir, cache):
     with numerical.poison("spike" if rank == 0 else "none", {11}, seen):
         trainer.train()
     unchanged = all(torch.equal(seen[10][k], seen[11][k]) for k in seen[10])
-    return unchanged, trainer.spike_total, seen[-1]["embed.weight"]
+    return unchanged, trainer.bad_steps.spike_total, seen[-1]["embed.weight"]
 
 
 @pytest.mark.distributed

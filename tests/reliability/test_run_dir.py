@@ -152,7 +152,7 @@ def test_a_run_that_loses_its_lock_stops_without_saving(tmp_path, module_cache, 
         loss = train_step(batches)
         (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "h", "pid": 2, "token": "t"}))
         if seen_by == "heartbeat":
-            trainer.run_lock.beat()  # what the heartbeat thread does every 15 s
+            trainer.run_dir.lock.beat()  # what the heartbeat thread does every 15 s
         return loss
 
     trainer.train_step = taken_over_after_step_1

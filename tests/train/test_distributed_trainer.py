@@ -106,6 +106,21 @@ def test_torchrun_ep2_matches_one_process(tmp_path, dispatcher):
         ra, rb = _router_stat(tmp_path / "one", key), _router_stat(tmp_path / "two", key)
         for step in ra:
             assert abs(ra[step] - rb[step]) <= 1e-4 * abs(ra[step]), (key, step, ra, rb)
+    # the worst step's load: one process logging every step, that step's; over two ranks the
+    # worst rank's micro-batch, at least the summed load's max/mean
+    for run, tight in (("one", True), ("two", False)):
+        for record in _records(tmp_path / run):
+            for layer in record["moe"]:
+                peak, interval = layer["max_mean_peak"], layer["max_mean"]
+                if tight:
+                    assert peak == pytest.approx(interval, rel=1e-5), (run, record["step"])
+                else:
+                    assert peak >= interval * (1 - 1e-6), (run, record["step"])
+
+
+def _records(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["kind"] == "train"]
 
 
 def _val_losses(run_dir: Path) -> dict[int, float]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,30 @@ def test_resume_is_bitwise(tmp_cache, tmp_path, monkeypatch):
         ta.model.state_dict().items(), tb.model.state_dict().items(), strict=True
     ):
         assert torch.equal(p, q), name
+
+
+def test_a_resume_after_a_crash_logs_each_step_once(tmp_cache, tmp_path, capsys):
+    """A run that logged steps past its newest checkpoint (its step-4 checkpoint lost, as by a
+    crash in that save) redoes them on resume: metrics.jsonl then holds each step once, the
+    redone steps' records, whose losses equal the first attempt's (the resume is bitwise)."""
+    run = tmp_path / "run"
+    cfg = _cfg(
+        "train.steps=4", "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=2"
+    )
+    Trainer(cfg, run, progress=False).train()
+    first = _train_losses(run)
+    newest = manager.list_complete(run / "checkpoints")[-1]
+    shutil.rmtree(newest)
+    capsys.readouterr()
+    resumed = Trainer(cfg, run, resume=True, progress=True)
+    assert resumed.step == 2
+    resumed.train()
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)
+    ]  # fmt: skip
+    assert _train_losses(run) == first
+    assert "metrics.jsonl: dropped 3 records past step 2" in capsys.readouterr().out
 
 
 def test_resume_is_bitwise_on_a_two_source_mix(tmp_path, capsys):
@@ -245,7 +270,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_cache, tmp_path, monkeypatch
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(TrainingStopped, match="consecutive"):
         trainer.train()
-    assert trainer.skipped_total >= 4
+    assert trainer.bad_steps.skipped_total >= 4
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert (tmp_path / "run" / "checkpoints" / f"step-{trainer.step}").is_dir()
@@ -288,6 +313,26 @@ def test_sigterm_saves_and_exits_zero(tmp_cache, tmp_path):
     assert "checkpoint saved to" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stopped_early"] and Path(summary["checkpoint"]).is_dir()
+
+
+def test_the_worst_steps_load_is_logged_next_to_the_intervals(tmp_cache, tmp_path, capsys):
+    """Logged every 4 steps, each layer's max_mean_peak is the largest max/mean of one step: the
+    max of the same run's per-step max_mean logged every step; the console shows it."""
+    every_step = _records_of(_cfg("train.steps=8", "train.log_every=1"), tmp_path / "a")
+    capsys.readouterr()
+    every_4 = _records_of(_cfg("train.steps=8", "train.log_every=4"), tmp_path / "b", True)
+    assert "(step peak " in capsys.readouterr().out
+    for step in (4, 8):
+        for layer in range(2):
+            per_step = [every_step[s]["moe"][layer]["max_mean"] for s in range(step - 3, step + 1)]
+            logged = every_4[step]["moe"][layer]
+            assert logged["max_mean_peak"] == pytest.approx(max(per_step), rel=1e-5)
+            assert logged["max_mean"] <= logged["max_mean_peak"]
+
+
+def _records_of(config, run_dir: Path, progress: bool = False) -> dict[int, dict]:
+    Trainer(config, run_dir, progress=progress).train()
+    return _records(run_dir, "train")
 
 
 def test_a_run_stopped_between_evaluations_reports_when_its_val_loss_was_measured(

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from moetrain.config.presets import tiny
-from moetrain.train.observe import scalar_tags
+from moetrain.train.tensorboard_log import scalar_tags
 from moetrain.train.trainer import Trainer
 from moetrain.train.wandb_log import default_mode
 

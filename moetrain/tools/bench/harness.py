@@ -28,7 +28,7 @@ from moetrain.config import RunConfig
 from moetrain.model.flops import flops_per_token, param_counts
 from moetrain.tools.bench.gpu_state import GpuStateSampler, nvml_reader
 from moetrain.tools.bench.timing import summarize, time_steps
-from moetrain.train.metrics import peak_memory_gib, peak_tflops
+from moetrain.train.throughput import peak_memory_gib, peak_tflops
 
 
 @dataclass
@@ -218,12 +218,12 @@ def bench_moetrain(
 
 def release(trainer) -> None:
     """Free a benchmarked trainer's GPU memory (its CUDA graph's private pool included) before
-    the next system is measured."""
+    the next system is measured: the trainer lets go of everything it holds (its parts hold
+    the model and the optimizer too)."""
     graph = trainer.step_graph.graph if trainer.step_graph is not None else None
     if graph is not None:
         graph.reset()
-    trainer.step_graph = None
-    trainer.model = trainer.optimizer = None
+    vars(trainer).clear()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

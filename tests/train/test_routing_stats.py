@@ -1,18 +1,16 @@
-"""Routing observability: load statistics on hand-computed routings, the gaming detector on
-synthetic series, the metrics.jsonl reader and the TensorBoard mirror."""
+"""Routing statistics: load statistics on hand-computed routings, the gaming detector on
+synthetic series."""
 
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from moetrain.train.observe import (
-    TensorBoardWriter,
+from moetrain.train.routing_stats import (
+    StepLoadPeak,
     TokenGamingDetector,
-    read_metrics,
     routing_summary,
     summarize_moe_stats,
 )
@@ -74,6 +72,24 @@ def test_rejects_bad_shapes():
         _summary(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="non-empty"):
         _summary([])
+
+
+def test_step_load_peak_is_the_worst_steps_max_over_mean():
+    """Fresh random loads of 3 layers over 5 steps: each layer's peak is the largest max/mean
+    of one step (numpy), not that of the summed load; a read starts the next interval at 0."""
+    gen = torch.Generator().manual_seed(0)
+    peak = StepLoadPeak(3, torch.device("cpu"))
+    steps = [torch.randint(0, 50, (3, 8), generator=gen) for _ in range(5)]
+    for load_LE in steps:
+        peak.update(list(load_LE))
+    loads = np.stack([s.numpy() for s in steps]).astype(np.float64)  # (step, layer, expert)
+    expected = (loads.max(axis=2) / loads.mean(axis=2)).max(axis=0)
+    assert peak.read().tolist() == pytest.approx(expected.tolist(), rel=1e-6)
+    summed = loads.sum(axis=0)
+    assert (summed.max(axis=1) / summed.mean(axis=1) < expected).all()  # averaged away
+    assert peak.read().tolist() == [0.0, 0.0, 0.0]
+    peak.update([])  # a model without MoE layers
+    assert _summary([4, 4], max_mean_peak=2.5)["max_mean_peak"] == 2.5
 
 
 def test_summarize_moe_stats_matches_per_layer_summaries():
@@ -193,100 +209,3 @@ def test_detector_skips_nan_and_validates():
     assert _feed(detector, 0, [1.1, float("nan"), 1.0, 0.9], [1.5, 2.0, 2.5, 3.0]) == []
     with pytest.raises(ValueError, match="window"):
         TokenGamingDetector(window=1)
-
-
-# --- metrics.jsonl ----------------------------------------------------------------------------
-
-
-def _train(step, loss):
-    return {"kind": "train", "step": step, "loss": loss, "moe": []}
-
-
-def test_read_metrics_splits_sorts_and_tolerates_truncation(tmp_path):
-    lines = [
-        json.dumps(_train(10, 3.0)),
-        json.dumps({"kind": "eval", "step": 10, "val_loss": 3.1}),
-        json.dumps(_train(20, 2.5)),
-        json.dumps({"kind": "bench", "step": 20}),  # unknown kinds are ignored
-        "",
-        '{"kind": "train", "step": 30, "lo',  # crash mid-write
-    ]
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("\n".join(lines))
-    train, evals = read_metrics(path)
-    assert [r["step"] for r in train] == [10, 20]
-    assert [r["val_loss"] for r in evals] == [3.1]
-    assert read_metrics(tmp_path) == (train, evals)  # a run directory works too
-
-
-def test_read_metrics_resumed_run_keeps_latest_record_per_step(tmp_path):
-    first = [_train(10, 3.0), _train(20, 2.5), _train(30, 2.4)]
-    resumed = [_train(30, 2.3), _train(40, 2.2)]  # resumed from the step-20 checkpoint
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + resumed))
-    train, _ = read_metrics(tmp_path)
-    assert [(r["step"], r["loss"]) for r in train] == [(10, 3.0), (20, 2.5), (30, 2.3), (40, 2.2)]
-
-
-def test_read_metrics_skips_a_cut_line_that_a_resumed_run_appended_to(tmp_path):
-    text = json.dumps(_train(10, 3.0)) + "\n" + '{"kind": "train", "step": 20, "lo'
-    text += json.dumps(_train(20, 2.6)) + "\n" + json.dumps(_train(30, 2.4)) + "\n"
-    (tmp_path / "metrics.jsonl").write_text(text)
-    train, _ = read_metrics(tmp_path)
-    assert [(r["step"], r["loss"]) for r in train] == [(10, 3.0), (30, 2.4)]
-
-
-def test_read_metrics_missing_file(tmp_path):
-    with pytest.raises(ValueError, match="no metrics file"):
-        read_metrics(tmp_path)
-
-
-# --- TensorBoard ------------------------------------------------------------------------------
-
-
-def test_tensorboard_writer_is_a_noop_without_tensorboard(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now fails
-    messages = []
-    writer = TensorBoardWriter(tmp_path, log=messages.append)
-    assert not writer.enabled
-    assert len(messages) == 1 and "pip install tensorboard" in messages[0]
-    writer.write({"kind": "train", "step": 1, "loss": 2.0})
-    writer.close()
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_tensorboard_writer_writes_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    writer = TensorBoardWriter(tmp_path)
-    assert writer.enabled
-    moe = {"layer": 1, **_summary([8, 4, 4, 0], entropy=0.7)}
-    writer.write({"kind": "train", "step": 5, "loss": 2.5, "lr": 1e-3, "mfu": None, "moe": [moe]})
-    writer.write({"kind": "eval", "step": 5, "val_loss": 2.75})
-    writer.close()
-
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
-    tags = set(events.Tags()["scalars"])
-    assert {"loss/train", "loss/val", "optim/lr", "moe/1/max_mean", "moe/1/entropy"} <= tags
-    assert "perf/mfu" not in tags and "moe/1/drop_frac" not in tags  # None values are skipped
-    (point,) = events.Scalars("moe/1/max_mean")
-    assert point.step == 5 and point.value == pytest.approx(2.0)
-    assert events.Scalars("loss/val")[0].value == pytest.approx(2.75)
-
-
-def test_scalar_tags_name_each_source_of_a_mix():
-    from moetrain.train.observe import scalar_tags
-
-    train = {"step": 4, "loss": 2.0, "mfu": None, "tokens_per_source": {"web": 70, "code": 30}}
-    train["epoch_per_source"] = {"web": 1, "code": 0}
-    assert scalar_tags(train) == {
-        "loss/train": 2.0,
-        **{"data/tokens/web": 70, "data/tokens/code": 30},
-        **{"data/epoch/web": 1, "data/epoch/code": 0},
-    }
-    assert scalar_tags({"step": 4, "epoch": 2}) == {"data/epoch": 2}
-    evals = {"step": 4, "val_loss": 2.5, "val_loss_per_source": {"web": 2.0, "code": 3.0}}
-    assert scalar_tags(evals) == {"loss/val": 2.5, "loss/val/web": 2.0, "loss/val/code": 3.0}
-    evals = {"step": 4, "val_loss": 2.5, "eval_sets": {"wiki": 3.5}, "tasks": {"qa": {"acc": 0.5}}}
-    assert scalar_tags(evals) == {"loss/val": 2.5, "loss/eval/wiki": 3.5, "tasks/qa/acc": 0.5}

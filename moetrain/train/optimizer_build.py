@@ -1,39 +1,36 @@
-"""How the trainer builds its parts from a config: the optimizer (and its update kernel), the
-data loaders, and the claim on a run directory (the precision plan: parallel/precision.py). A
-choice this machine cannot honour fails at start-up, naming the field to change.
+"""The optimizer of `train.optimizer` built for a parallelized model, with the dtype gradients
+are reduced in and AdamW's update kernel: `adamw` (replicated over data parallelism; a
+GradientSync all-reduces the gradients), `sharded` (ZeRO-1: it reduce-scatters them itself),
+`muon` (Muon and the replicated AdamW over a GradientSync, like `adamw`) and `muon_sharded`
+(whole-matrix Muon shards and ZeRO-1 AdamW, like `sharded`). A choice this machine cannot honour
+fails at start-up, naming the field to change; FSDP with Muon is refused by the config.
 """
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
+from torch import nn
 
-from moetrain.checkpoint import manager
 from moetrain.config import RunConfig
-from moetrain.data import (
-    MixedLoader,
-    RandomTokenLoader,
-    SequenceLoader,
-    open_data,
-)
 from moetrain.model.transformer import Transformer
 from moetrain.optim.adamw import AdamW
 from moetrain.optim.clip import global_grad_norm, params_with_kinds, sharded_grad_norm
+from moetrain.optim.muon import Muon, MuonSettings
+from moetrain.optim.muon_params import split_param_groups
+from moetrain.optim.muon_sharded import MuonShards, ShardedMuon
 from moetrain.optim.param_groups import build_param_groups
-from moetrain.optim.sharded import ShardedAdamW, expert_global_slices
+from moetrain.optim.sharded import AdamWShards, ShardedAdamW, expert_global_slices
 from moetrain.parallel.data import FSDPAccumulation, GradientSync
 from moetrain.parallel.mesh import ParallelDims
 from moetrain.parallel.precision import resolve_grad_dtype
-from moetrain.train.muon_build import MUON_OPTIMIZERS, build_muon
+
+MUON_OPTIMIZERS = ("muon", "muon_sharded")
 
 
 def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
-    """AdamW replicated over data parallelism (GradientSync all-reduces gradients), or the
-    distributed optimizer (train.optimizer = sharded), which reduce-scatters them itself; Muon
-    in either form (train/muon_build.py)."""
+    """The optimizer of `train.optimizer` over `model`'s parameter groups (module docstring)."""
     t = config.train
     groups = build_param_groups(model, t)
     grad_dtype = resolve_grad_dtype(model, config, dims)
@@ -100,51 +97,67 @@ def resolve_adamw_kernel(choice: str, device: torch.device) -> str:
     return choice
 
 
-def claim_run_dir(run_dir: Path, checkpoint_root: Path, overwrite: bool, is_main: bool) -> None:
-    """A fresh start must not mix with an earlier run in the same directory (its checkpoints
-    would outrank the new ones, its metrics interleave): an error without `overwrite`; with it
-    the main rank first deletes the earlier run's checkpoints, metrics and TensorBoard files."""
-    earlier = manager.list_complete(checkpoint_root)
-    metrics = run_dir / "metrics.jsonl"
-    if not earlier and not metrics.exists():
-        return
-    what = f"checkpoints up to {earlier[-1].name}" if earlier else "metrics.jsonl"
-    if not overwrite:
-        raise ValueError(
-            f"{run_dir} holds an earlier run ({what}): pass --resume to continue it, "
-            "--overwrite to delete it and start over, or choose another --run-dir"
+def build_muon(
+    model: nn.Module,
+    config: RunConfig,
+    dims: ParallelDims,
+    param_groups: list[dict[str, Any]],
+    *,
+    grad_dtype: torch.dtype | None,
+    adamw_kernel: str,
+):
+    """train.optimizer muon or muon_sharded over `param_groups` (`build_param_groups` output);
+    `grad_dtype` and `adamw_kernel` as resolved for AdamW."""
+    t = config.train
+    settings = MuonSettings.from_config(t)
+    muon_groups, adamw_groups = split_param_groups(param_groups)
+    if t.optimizer == "muon_sharded":
+        return build_sharded_muon(
+            model, config, dims, muon_groups, adamw_groups, settings, grad_dtype=grad_dtype
         )
-    if is_main:
-        print(f"--overwrite: deleting the earlier run in {run_dir} ({what})")
-        shutil.rmtree(checkpoint_root, ignore_errors=True)
-        metrics.unlink(missing_ok=True)
-        for events in run_dir.glob("events.out.tfevents.*"):
-            events.unlink()
+    needs_sync = dims.world_size > 1 or grad_dtype is not None
+    grad_sync = GradientSync(model, dims, grad_dtype=grad_dtype) if needs_sync else None
+    pairs = params_with_kinds(param_groups)  # the norm counts both halves
+
+    def norm_fn() -> torch.Tensor:
+        return global_grad_norm(pairs, ep_group=dims.ep_group, pp_group=dims.pp_group)
+
+    adamw = AdamW(
+        adamw_groups,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        master_weights=config.precision.master_weights,
+        fused=dims.device.type == "cuda",
+        norm_fn=norm_fn,
+        grad_sync=grad_sync,
+        kernel=adamw_kernel,
+    )
+    adamw.init_state()
+    return Muon(muon_groups, adamw, settings, master_weights=config.precision.master_weights)
 
 
-def build_loaders(cfg: RunConfig, d: ParallelDims, device: torch.device):
-    """(this dp rank's train loader, the val tokens (a list for a mix), tokenizer or None):
-    random ids, one token directory, or a weighted mix of sources."""
-    t = cfg.train
-    if cfg.data.random_tokens:
-        train = RandomTokenLoader(
-            cfg.model.vocab_size,
-            t.seq_len,
-            t.micro_batch_size,
-            seed=t.seed,
-            rank=d.dp_rank,
-            device=device,
-        )
-        rng = np.random.default_rng([t.seed, 1])
-        return train, rng.integers(0, cfg.model.vocab_size, t.eval_sequences * t.seq_len + 1), None
-    train_tokens, val_tokens, tokenizer = open_data(cfg.data, cfg.model.vocab_size)
-    common = dict(rank=d.dp_rank, world_size=d.dp, device=device)
-    shape = (t.seq_len, t.micro_batch_size)
-    if cfg.data.sources:
-        weights = [s.weight for s in cfg.data.sources]
-        return (
-            MixedLoader(train_tokens, weights, *shape, seed=t.seed, **common),
-            val_tokens,
-            tokenizer,
-        )
-    return SequenceLoader(train_tokens, *shape, seed=t.seed, **common), val_tokens, tokenizer
+def build_sharded_muon(
+    model: nn.Module,
+    config: RunConfig,
+    dims: ParallelDims,
+    muon_groups: list[dict[str, Any]],
+    adamw_groups: list[dict[str, Any]],
+    settings: MuonSettings,
+    *,
+    grad_dtype: torch.dtype | None,
+) -> ShardedMuon:
+    """train.optimizer=muon_sharded over the two halves of `build_param_groups` output."""
+    t = config.train
+    order = [n for n, _ in model.named_parameters()]
+    shared = dict(
+        dense_group=dims.dp_group,
+        expert_group=dims.edp_group,
+        expert_grad_divisor=dims.dp,
+        grad_dtype=grad_dtype,
+        global_slices=expert_global_slices(model, config.moe.num_experts),
+        param_order=order,
+    )
+    adamw = AdamWShards(
+        adamw_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, pp_group=dims.pp_group, **shared
+    )
+    return ShardedMuon(adamw, MuonShards(muon_groups, settings, **shared), order)

@@ -1,29 +1,20 @@
-"""Routing observability: measured expert load per MoE layer at every log step (the balance loss
-can improve while the real load gets worse; `TokenGamingDetector` warns then), and where records
-go besides metrics.jsonl (`read_metrics`, `TensorBoardWriter`).
-
-metrics.jsonl holds one JSON object per line, appended by the trainer:
-    {"kind": "train", "step", "loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
-     "tflops", "mfu", "peak_mem_gib", "skipped_steps", "moe": [{"layer": int, **routing_summary}],
-     "epoch": completed passes over the training data (a mix: "epoch_per_source": {source: int}),
-     "tokens_per_source": {source: int} (a mix of data.sources only)}
-    {"kind": "eval", "step", "val_loss", "val_loss_per_source": {source: float} (a mix only),
-     "eval_sets": {name: float}, "tasks": {name: {"acc", "acc_norm"}} (when configured)}
+"""Routing statistics, a producer of the train record's "moe" entries: the measured expert load
+of each MoE layer over a log interval (`routing_summary`, `summarize_moe_stats`), the worst
+step's load within it (`StepLoadPeak`: the interval's summed load averages early peaks away),
+and a warning
+when the balance loss improves while that load gets worse (`TokenGamingDetector`: the balance
+loss can be gamed, the measured load cannot).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-
-METRICS_FILE = "metrics.jsonl"
 
 Number = float | int | torch.Tensor
 
@@ -38,10 +29,13 @@ def routing_summary(
     entropy: Number | None = None,
     dropped: Number | None = None,
     routed: Number | None = None,
+    max_mean_peak: Number | None = None,
 ) -> dict[str, Any]:
     """Load statistics of one MoE layer over a log interval, as plain Python numbers, from
     `tokens_per_expert` (routes per expert). Keys:
     - max_mean: max / mean load (1.0 is perfect balance, E means one expert takes everything);
+    - max_mean_peak: the largest max / mean load of one step on one rank in the interval
+      (`StepLoadPeak`; None when not measured);
     - cv: population standard deviation / mean of the load (0.0 is perfect balance);
     - zero_frac: fraction of experts that received no route;
     - entropy: mean per-token router entropy in nats (None when not measured);
@@ -72,6 +66,7 @@ def routing_summary(
     lb, z = float(lb_loss), float(z_loss)
     return {
         "max_mean": max_mean,
+        "max_mean_peak": None if max_mean_peak is None else float(max_mean_peak),
         "cv": cv,
         "zero_frac": float((load_E == 0).sum()) / load_E.size,
         "entropy": None if entropy is None else float(entropy),
@@ -91,8 +86,9 @@ def summarize_moe_stats(
     z_weight: float,
 ) -> list[dict[str, Any]]:
     """`{layer: MoELayer.read_stats()}` -> the "moe" list of a train record, one dict per layer,
-    from one device-to-host copy. Optional stats keys: "entropy", "dropped", "routed" (scalars)."""
-    optional = ("entropy", "dropped", "routed")
+    from one device-to-host copy. Optional stats keys: "entropy", "dropped", "routed",
+    "max_mean_peak" (scalars)."""
+    optional = ("entropy", "dropped", "routed", "max_mean_peak")
     flat: list[torch.Tensor] = []
     for stats in stats_by_layer.values():
         flat.append(stats["tokens_per_expert"].reshape(-1).double())
@@ -118,6 +114,30 @@ def summarize_moe_stats(
         )
         summaries.append({"layer": int(layer), **summary})
     return summaries
+
+
+class StepLoadPeak:
+    """The largest max / mean expert load of one optimizer step since the last `read`, per MoE
+    layer, from the routes this rank's micro-batches sent in the step (`update`, before any
+    reduction over the ranks). Kept on the device (no host sync; a step graph updates it in
+    place); the train record reduces it over the ranks with a max."""
+
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        self.peak_L = torch.zeros(num_layers, device=device)
+
+    def update(self, step_tokens_per_expert: Sequence[torch.Tensor]) -> None:
+        """One step's routes per expert, one tensor per MoE layer."""
+        if not step_tokens_per_expert:
+            return
+        load_LE = torch.stack(list(step_tokens_per_expert)).float()
+        ratio_L = load_LE.amax(dim=1) / load_LE.mean(dim=1).clamp_min(1e-9)
+        self.peak_L.copy_(torch.maximum(self.peak_L, ratio_L))
+
+    def read(self) -> torch.Tensor:
+        """The peaks since the last read (a copy); zeroed in place for the next interval."""
+        peak_L = self.peak_L.clone()
+        self.peak_L.zero_()
+        return peak_L
 
 
 class TokenGamingDetector:
@@ -193,112 +213,6 @@ def _fitted_trend(x: Sequence[float], y: Sequence[float]) -> tuple[float, float,
     error = math.sqrt(float((residuals**2).sum()) / dof / denom) if dof > 0 and denom > 0 else 0.0
     span = float(dx[-1] - dx[0])
     return mean + slope * float(dx[0]), mean + slope * float(dx[-1]), error * span
-
-
-def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train records, eval records), sorted by step, from a metrics.jsonl file or its run
-    directory. A step logged twice (a resume from an older checkpoint) keeps its latest record;
-    invalid JSON lines (cut short by a crash) and other kinds are skipped."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        raise ValueError(f"no metrics file at {path}")
-    by_kind: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}
-    with path.open() as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(record, dict) or "step" not in record:
-                continue
-            records = by_kind.get(record.get("kind", ""))
-            if records is not None:
-                records[int(record["step"])] = record
-    train, evals = (
-        [records[s] for s in sorted(records)] for records in (by_kind["train"], by_kind["eval"])
-    )
-    return train, evals
-
-
-# Record key -> TensorBoard tag. Grouped by prefix, so train and val loss share one section.
-_TB_TAGS = {
-    "loss": "loss/train",
-    "val_loss": "loss/val",
-    "lb_loss": "aux/lb_loss",
-    "z_loss": "aux/z_loss",
-    "lr": "optim/lr",
-    "grad_norm": "optim/grad_norm",
-    "tokens_per_s": "perf/tokens_per_s",
-    "tflops": "perf/tflops",
-    "mfu": "perf/mfu",
-    "peak_mem_gib": "perf/peak_mem_gib",
-    "epoch": "data/epoch",
-}
-_TB_MOE_KEYS = ("max_mean", "cv", "zero_frac", "entropy", "lb_loss", "drop_frac")
-
-
-class TensorBoardWriter:
-    """Mirrors train/eval records to TensorBoard event files in `run_dir`, under `scalar_tags`.
-    Without the `tensorboard` package it logs one message and `write` is a no-op (`enabled` is
-    False)."""
-
-    def __init__(self, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
-        self._writer = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            log("info: TensorBoard logging is off (pip install tensorboard to turn it on)")
-            return
-        self._writer = SummaryWriter(log_dir=str(run_dir))
-
-    @property
-    def enabled(self) -> bool:
-        return self._writer is not None
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        if self._writer is None:
-            return
-        step = int(record["step"])
-        for tag, value in scalar_tags(record).items():
-            self._writer.add_scalar(tag, value, step)
-        self._writer.flush()  # once per log line: TensorBoard shows the run as it goes
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
-def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
-    """The scalars of a train/eval record under their TensorBoard (and W&B) tags; missing and
-    None values are left out. A mix adds data/tokens/{source}, data/epoch/{source} and
-    loss/val/{source}, evaluation sets loss/eval/{name}, tasks tasks/{name}/acc and
-    tasks/{name}/acc_norm."""
-    tags: dict[str, Any] = {tag: record.get(key) for key, tag in _TB_TAGS.items()}
-    for layer in record.get("moe") or ():
-        for key in _TB_MOE_KEYS:
-            tags[f"moe/{layer['layer']}/{key}"] = layer.get(key)
-    for source, tokens in (record.get("tokens_per_source") or {}).items():
-        tags[f"data/tokens/{source}"] = tokens
-    for source, epoch in (record.get("epoch_per_source") or {}).items():
-        tags[f"data/epoch/{source}"] = epoch
-    for source, loss in (record.get("val_loss_per_source") or {}).items():
-        tags[f"loss/val/{source}"] = loss
-    for name, loss in (record.get("eval_sets") or {}).items():
-        tags[f"loss/eval/{name}"] = loss
-    for name, scores in (record.get("tasks") or {}).items():
-        for key, value in scores.items():
-            tags[f"tasks/{name}/{key}"] = value
-    return {
-        tag: value
-        for tag, value in tags.items()
-        if isinstance(value, int | float) and not isinstance(value, bool)
-    }
 
 
 def _to_numpy(values: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
