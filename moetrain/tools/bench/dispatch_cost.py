@@ -23,10 +23,10 @@ from moetrain.tools.bench.timing import kernel_ms
 
 
 class _Loopback:
-    """NoSync's transport with nothing sent: this rank's blocks come back, plus the sink row."""
+    """NoSync's transport with nothing sent: this rank's blocks come back as they are."""
 
     def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
-        return torch.cat([send_RD, send_RD.new_zeros(1, send_RD.shape[1])])
+        return send_RD
 
 
 def _routing(tokens: int, top_k: int, num_experts: int, device) -> RoutingResult:
