@@ -5,12 +5,17 @@ Collectives are stand-ins, as in moetrain/tools/bench/dispatch_cost.py: every ra
 this rank's, and the blocks come back unchanged (the loopback of no transfer). What is timed is
 the index work and the row movements a rank of an ep-way run does.
 
+Compiled, dispatch and combine are two regions (the experts sit between them in the step, so
+neither may fuse into the other). `--rows reference` times the sink-row torch reference of the
+row movements (moetrain/kernels/masked_rows.py) in place of the Triton kernels.
+
     python benchmarks/dispatch_profile.py --presets ref-47b,olmoe8 --ep 8 --json OUT.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from unittest import mock
 
@@ -18,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moetrain.config.presets import get_preset
+from moetrain.kernels import masked_rows
 from moetrain.moe.capacity import no_sync_capacities
 from moetrain.parallel import ep_dispatch
 from moetrain.tools.bench.balanced import BalancedDispatcher
@@ -33,14 +39,13 @@ def _dispatchers(config, ep: int, cf: float, device):
 
 
 def _step_fn(dispatcher, x, routing, compiled: bool):
-    def run():
-        rows, _, handle = dispatcher.dispatch(x, routing)
-        return dispatcher.combine(rows, handle)
-
-    fn = torch.compile(run, fullgraph=False) if compiled else run
+    dispatch, combine = dispatcher.dispatch, dispatcher.combine
+    if compiled:  # two regions: in the step the experts' GEMMs sit between them
+        dispatch, combine = torch.compile(dispatch), torch.compile(combine)
 
     def step():
-        y = fn()
+        rows, _, handle = dispatch(x, routing)
+        y = combine(rows, handle)
         y.backward(torch.ones_like(y))
         x.grad = None
 
@@ -60,7 +65,7 @@ def _kernel_table(step, top: int = 25) -> list[dict]:
     return rows[:top]
 
 
-def measure(preset: str, ep: int, cf: float, device) -> dict:
+def measure(preset: str, ep: int, cf: float, device, rows_impl: str = "kernels") -> dict:
     config = get_preset(preset)
     T = config.train.micro_batch_size * config.train.seq_len
     K, E, D = config.moe.top_k, config.moe.num_experts, config.model.d_model
@@ -80,7 +85,12 @@ def measure(preset: str, ep: int, cf: float, device) -> dict:
     def every_rank_alike(counts_E, group, traced=True):
         return counts_E.unsqueeze(0).expand(ep, -1).contiguous()
 
-    with mock.patch.object(ep_dispatch, "all_gather_counts", every_rank_alike):
+    use_kernels = masked_rows._use_triton if rows_impl == "kernels" else (lambda t: False)
+    record["row_movements"] = rows_impl
+    with (
+        mock.patch.object(ep_dispatch, "all_gather_counts", every_rank_alike),
+        mock.patch.object(masked_rows, "_use_triton", use_kernels),
+    ):
         for name, dispatcher in _dispatchers(config, ep, cf, device).items():
             for compiled in (False, True):
                 torch._dynamo.reset()
@@ -100,10 +110,14 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=8)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--rows", default="kernels,reference",
+        help="NoSync's row movements: the Triton kernels and/or the sink-row torch reference",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    for preset in args.presets.split(","):
-        record = measure(preset, args.ep, args.capacity_factor, device)
+    for preset, rows_impl in itertools.product(args.presets.split(","), args.rows.split(",")):
+        record = measure(preset, args.ep, args.capacity_factor, device, rows_impl)
         short = {k: v for k, v in record.items() if not k.endswith("_kernels")}
         print(json.dumps(short))
         for key in ("no_sync_eager_kernels", "no_sync_compiled_kernels"):

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moetrain.kernels.gather import gather_routes, sum_routes, weighted_sum_reference
+from moetrain.kernels.gather import gather_routes, sum_routes
 from moetrain.moe.experts import NO_FP8_ROWS, FP8Rows
 from moetrain.moe.payload import BF16_PAYLOAD, Payload
 from moetrain.moe.router import RoutingResult
@@ -131,26 +131,3 @@ class _GatherRows(torch.autograd.Function):
 
 
 gather_rows = _GatherRows.apply
-
-
-class _WeightedSumOfRoutes(torch.autograd.Function):
-    """`weighted_sum_of_routes(y_TKD, weights_TK)`: sum_k w[t, k] * y[t, k, :], accumulated in
-    float32, in y's dtype (the EP dispatchers' combine); saves y in its own dtype (not a float32
-    copy). Elementwise, not a bmm (tiny GEMMs at K of 2-8); compiled, it fuses."""
-
-    @staticmethod
-    def forward(ctx, y_TKD, weights_TK):  # type: ignore[override]
-        ctx.save_for_backward(y_TKD, weights_TK)
-        return weighted_sum_reference(y_TKD, weights_TK)
-
-    @staticmethod
-    def backward(ctx, grad_TD):  # type: ignore[override]
-        y_TKD, weights_TK = ctx.saved_tensors
-        acc = torch.promote_types(y_TKD.dtype, torch.float32)
-        g_T1D = grad_TD.to(acc).unsqueeze(1)
-        grad_y = (weights_TK.to(acc).unsqueeze(-1) * g_T1D).to(y_TKD.dtype)
-        grad_w = (y_TKD.to(acc) * g_T1D).sum(-1).to(weights_TK.dtype)
-        return grad_y, grad_w
-
-
-weighted_sum_of_routes = _WeightedSumOfRoutes.apply

@@ -28,14 +28,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from moetrain.dist_compat import group_size
+from moetrain.kernels.masked_rows import gather_tokens, masked_gather, weighted_route_sum
 from moetrain.moe.balance import count_tokens_per_expert
 from moetrain.moe.capacity import no_sync_capacities
-from moetrain.moe.dispatch import (
-    gather_rows,
-    inverse_permutation,
-    sort_routes,
-    weighted_sum_of_routes,
-)
+from moetrain.moe.dispatch import inverse_permutation, sort_routes
 from moetrain.moe.experts import NO_FP8_ROWS, FP8Rows
 from moetrain.moe.payload import BF16_PAYLOAD, Payload
 from moetrain.moe.recompute import is_recomputing
@@ -59,12 +55,12 @@ def _positions_within_expert(ids_N: torch.Tensor, counts_E: torch.Tensor) -> tor
 
 
 def _expert_major_index(
-    counts_Ge: torch.Tensor, start_Ge: torch.Tensor, num_rows: int, sink_row: int
+    counts_Ge: torch.Tensor, start_Ge: torch.Tensor, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Received rows arrive source-major: the rows from source s for local expert x start at row
     start_Ge[s, x] and number counts_Ge[s, x]. Returns, for each of `num_rows` expert-major
     positions (expert x, then source s, then arrival order), the received row to read, plus the
-    cumulative end offsets per local expert. Positions past the last offset read `sink_row`."""
+    cumulative end offsets per local expert. Positions past the last offset read -1 (nothing)."""
     G, e = counts_Ge.shape
     len_eG = counts_Ge.T.reshape(-1)
     end_eG = len_eG.cumsum(0)
@@ -75,11 +71,11 @@ def _expert_major_index(
     x_M, s_M = segment_M // G, segment_M % G
     row_M = start_Ge[s_M, x_M] + m_M - (end_eG - len_eG)[segment_M]
     offsets_e = counts_Ge.sum(0).cumsum(0).to(torch.int32)
-    return torch.where(valid_M, row_M, sink_row), offsets_e
+    return torch.where(valid_M, row_M, -1), offsets_e
 
 
 def _inverse_index(
-    index_M: torch.Tensor, valid_M: torch.Tensor | None, size: int, fill: int = 0
+    index_M: torch.Tensor, valid_M: torch.Tensor | None, size: int, fill: int = -1
 ) -> torch.Tensor:
     """inverse[index_M[m]] = m for valid m; rows nobody points at get `fill`. Unique scatter
     targets (invalid m go to private slots past `size`), so the result is deterministic."""
@@ -90,40 +86,22 @@ def _inverse_index(
     return inverse.scatter_(0, index_M, m_M)[:size]
 
 
-class _GatherTokens(torch.autograd.Function):
-    """send[r] = x[token_of_row[r]] (padding rows read token 0). Backward: a gather, no
-    scatter-add: grad_x[t] = sum_k grad_send[send_row[t, k]] in fp32, dropped routes reading a
-    zero row at index R."""
-
-    @staticmethod
-    def forward(ctx, x_TD, token_of_row_R, send_row_TK):  # type: ignore[override]
-        ctx.save_for_backward(send_row_TK)
-        return x_TD[token_of_row_R]
-
-    @staticmethod
-    def backward(ctx, grad_RD):  # type: ignore[override]
-        (send_row_TK,) = ctx.saved_tensors
-        padded = torch.cat([grad_RD, grad_RD.new_zeros(1, grad_RD.shape[1])])
-        acc = torch.promote_types(grad_RD.dtype, torch.float32)
-        grad_TD = padded[send_row_TK].to(acc).sum(1).to(grad_RD.dtype)
-        return grad_TD, None, None
-
-
 # ---- what both dispatchers share ------------------------------------------------------------
 
 
 @dataclass
 class ExchangeHandle:
-    """What `combine` needs of a dispatch. Rows leave in `route_row_TK` order (each route's row
-    in the buffer that goes out and comes back; dropped routes: a zero sink row) and arrive
-    source-major; `arrive_R` gathers them expert-major (padding reads the sink row), `depart_R`
-    gathers the experts' outputs back into arrival order."""
+    """What `combine` needs of a dispatch. Every index is -1 where there is nothing: a gather
+    reads a zero row, a sum skips it (moetrain.kernels.masked_rows). Rows leave in `route_row_TK`
+    order (each route's row in the buffer that goes out and comes back; dropped routes: -1) and
+    arrive source-major; `arrive_R` gathers them expert-major (padding: -1), `depart_R` gathers
+    the experts' outputs back into arrival order (rows no expert read: -1, they go back zero)."""
 
     route_row_TK: torch.Tensor
-    row_route_R: torch.Tensor  # route of each row that goes out; unused rows: T * K
+    row_route_R: torch.Tensor  # route (t * K + k) of each row that goes out; unused rows: -1
     weights_TK: torch.Tensor
     arrive_R: torch.Tensor  # received row of each expert-major position
-    arrive_back_R: torch.Tensor  # expert-major position of each received row (incl. sinks)
+    arrive_back_R: torch.Tensor  # expert-major position of each received row
     depart_R: torch.Tensor  # expert-major position of each received row, for the return trip
     recv_splits: list[int] | None = None  # None: equal blocks (NoSync)
     send_splits: list[int] | None = None
@@ -155,23 +133,24 @@ class ExpertParallel:
         """The dispatched rows travel in `payload`; the combine's in the activations' dtype."""
         return self.payload if forward else BF16_PAYLOAD
 
-    # Every gather's backward is a gather by the inverse index (see moe.dispatch.gather_rows).
+    # Every gather's backward is a gather by the inverse index (moetrain.kernels.masked_rows).
     @staticmethod
     def arrive(recv_RD, handle: ExchangeHandle, offsets_e):
         """The received rows in expert-major order: what `dispatch` returns."""
-        return gather_rows(recv_RD, handle.arrive_R, handle.arrive_back_R), offsets_e, handle
+        return masked_gather(recv_RD, handle.arrive_R, handle.arrive_back_R), offsets_e, handle
 
     @staticmethod
     def depart(y_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
         """The experts' outputs in arrival order, to go back."""
-        return gather_rows(y_RD, handle.depart_R, handle.arrive_R)
+        return masked_gather(y_RD, handle.depart_R, handle.arrive_R)
 
     @staticmethod
     def weighted_sum(back_RD: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
-        """Each token's K returned routes weighted and summed: what `combine` returns."""
-        T, K = handle.route_row_TK.shape
-        y_N = gather_rows(back_RD, handle.route_row_TK.reshape(-1), handle.row_route_R)
-        return weighted_sum_of_routes(y_N.view(T, K, -1), handle.weights_TK)
+        """Each token's K returned routes weighted and summed in one pass: what `combine`
+        returns (a dropped route, index -1, adds nothing)."""
+        return weighted_route_sum(
+            back_RD, handle.route_row_TK, handle.weights_TK, handle.row_route_R
+        )
 
 
 # ---- AllToAllDispatcher ---------------------------------------------------------------------
@@ -207,7 +186,7 @@ class AllToAllDispatcher(ExpertParallel):
         # 1. Sort routes by global expert: rank d's rows are contiguous, in local-expert order.
         order_N = sort_routes(ids_N, self.num_experts)
         inverse_order_N = inverse_permutation(order_N)
-        send_ND = _GatherTokens.apply(x_TD, order_N // K, inverse_order_N.view(T, K))
+        send_ND = gather_tokens(x_TD, order_N // K, inverse_order_N.view(T, K))
         # 2. Exchange counts: recv_counts_Ge[s, x] = routes from rank s to my local expert x.
         send_counts_E = count_tokens_per_expert(ids_N, self.num_experts)
         recv_counts_Ge = all_to_all_counts(send_counts_E, self.group)
@@ -218,7 +197,7 @@ class AllToAllDispatcher(ExpertParallel):
         # 5. Source-major -> expert-major (a permutation: nothing is padding).
         num_recv = sum(recv_splits)
         start_Ge = (recv_counts_Ge.reshape(-1).cumsum(0) - recv_counts_Ge.reshape(-1)).view(G, e)
-        recv_row_R, offsets_e = _expert_major_index(recv_counts_Ge, start_Ge, num_recv, 0)
+        recv_row_R, offsets_e = _expert_major_index(recv_counts_Ge, start_Ge, num_recv)
         arrive_back_R = _inverse_index(recv_row_R, None, num_recv)
         handle = ExchangeHandle(
             route_row_TK=inverse_order_N.view(T, K),
@@ -255,8 +234,8 @@ class AllToAllDispatcher(ExpertParallel):
 class Transport(Protocol):
     def exchange(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> torch.Tensor:
         """`send_RD` is G equal blocks, block g bound for rank g. Returns the G received blocks
-        (block g from rank g) followed by one zero sink row. Differentiable. The blocks travel
-        as `payload` (see moetrain.moe.payload)."""
+        (block g from rank g), nothing appended. Differentiable. The blocks travel as `payload`
+        (see moetrain.moe.payload)."""
         ...
 
     def begin(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> AsyncExchange:
@@ -266,17 +245,17 @@ class Transport(Protocol):
 
 class AllToAllTransport:
     """Fixed blocks over an equal-split all_to_all_single (portable: NCCL and gloo), traceable by
-    torch.compile (moetrain.parallel.comm.exchange_blocks). A group of one keeps the blocks in
-    place (one copy, to append the sink row)."""
+    torch.compile (moetrain.parallel.comm.exchange_blocks). A group of one returns the blocks as
+    they are."""
 
     def __init__(self, group: ProcessGroup | None, traced: bool = True) -> None:
         self.group, self.traced = group, traced
 
     def exchange(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> torch.Tensor:
-        return exchange_blocks(send_RD, self.group, 1, payload, self.traced)
+        return exchange_blocks(send_RD, self.group, 0, payload, self.traced)
 
     def begin(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> AsyncExchange:
-        return AsyncExchange(self.group, sink_rows=1, payload=payload).begin(send_RD)
+        return AsyncExchange(self.group, payload=payload).begin(send_RD)
 
 
 def keep_counts(counts_sdx: torch.Tensor, expert_capacity: int, block_rows: int) -> torch.Tensor:
@@ -342,7 +321,7 @@ class NoSyncDispatcher(ExpertParallel):
         G, e, me = self.num_ranks, self.num_local, self.ep_rank
         T, K = routing.expert_ids_TK.shape
         expert_capacity, B = self.capacities(T, K)
-        R = G * B  # rows of the send and of the receive buffer; row R is the sink
+        R = G * B  # rows of the send and of the receive buffer
         ids_N = routing.expert_ids_TK.reshape(-1)
         device = ids_N.device
 
@@ -356,30 +335,29 @@ class NoSyncDispatcher(ExpertParallel):
         pos_N = _positions_within_expert(ids_N, counts_E)
         keep_N = pos_N < kept_sdx[me].reshape(-1)[ids_N]
         send_row_N = (ids_N // e) * B + block_start_sdx[me].reshape(-1)[ids_N] + pos_N
-        send_row_N = torch.where(keep_N, send_row_N, R)
-        # 4. Write routes into their blocks (padding rows carry token 0; nobody reads them and
-        #    their gradient is zero); `exchange` moves the fixed blocks.
-        route_of_row_R = _inverse_index(send_row_N, keep_N, R + 1, fill=T * K)  # row R: sink
-        used_rows_R = route_of_row_R[:R] < T * K
-        token_of_row_R = torch.where(used_rows_R, route_of_row_R[:R] // K, 0)
-        send_RD = _GatherTokens.apply(x_TD, token_of_row_R, send_row_N.view(T, K))
-        # 5. One gather into expert-major order; positions past the last offset read the sink.
+        send_row_N = torch.where(keep_N, send_row_N, -1)
+        # 4. Write routes into their blocks (padding rows are zero; nobody reads them and their
+        #    gradient is zero); `exchange` moves the fixed blocks.
+        route_of_row_R = _inverse_index(send_row_N, keep_N, R)
+        token_of_row_R = torch.where(route_of_row_R >= 0, route_of_row_R // K, -1)
+        send_RD = gather_tokens(x_TD, token_of_row_R, send_row_N.view(T, K))
+        # 5. One gather into expert-major order; positions past the last offset read nothing.
         start_sx = torch.arange(G, device=device)[:, None] * B + block_start_sdx[:, me, :]
-        recv_row_R, offsets_e = _expert_major_index(kept_sdx[:, me, :], start_sx, R, sink_row=R)
-        arrive_back_R = _inverse_index(recv_row_R, recv_row_R < R, R + 1, fill=R)
+        recv_row_R, offsets_e = _expert_major_index(kept_sdx[:, me, :], start_sx, R)
+        arrive_back_R = _inverse_index(recv_row_R, recv_row_R >= 0, R)
         handle = ExchangeHandle(
             route_row_TK=send_row_N.view(T, K),
             row_route_R=route_of_row_R,
             weights_TK=routing.weights_TK,
             arrive_R=recv_row_R,
             arrive_back_R=arrive_back_R,
-            depart_R=arrive_back_R[:R].clamp(max=R - 1),
+            depart_R=arrive_back_R,
         )
         if torch.is_grad_enabled() and not is_recomputing():  # training forwards, once each
             self._record(keep_N, offsets_e, R)
         return send_RD, handle, offsets_e
 
-    # 6. (combine) the reverse movement; the weighted sum reads dropped routes as the sink
+    # 6. (combine) the reverse movement; the weighted sum skips dropped routes
     def exchange(self, rows_RD: torch.Tensor, handle: ExchangeHandle, forward: bool):
         return self.transport.exchange(rows_RD, self._payload(forward))
 

@@ -24,7 +24,7 @@ class LoopbackTransport:
         return self.begin(send_RD, payload).end()
 
     def begin(self, send_RD: torch.Tensor, payload: Payload = BF16_PAYLOAD) -> AsyncExchange:
-        return AsyncExchange(None, sink_rows=1, payload=payload, launch=self._launch).begin(send_RD)
+        return AsyncExchange(None, payload=payload, launch=self._launch).begin(send_RD)
 
     def _launch(self, out: torch.Tensor, x: torch.Tensor, recv_splits, send_splits) -> Wait:
         assert recv_splits is None and send_splits is None, "a group of one: equal blocks"

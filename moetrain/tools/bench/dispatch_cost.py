@@ -2,7 +2,7 @@
 of the projection's rank model (bench/balanced.py), measured on one GPU at a rank's shapes.
 
 - Index work: NoSyncDispatcher's dispatch and combine, forward and backward, at G ranks of T
-  tokens, against BalancedDispatcher's. Collectives are stand-ins (every rank's counts are this
+  tokens, against BalancedDispatcher's, compiled on the GPU as the step runs them. Collectives are stand-ins (every rank's counts are this
   rank's; the blocks come back unchanged): real shapes and index work, nothing sent.
 - Host sync: the exact-split dispatcher's split-size read, once per MoE layer forward, costed as
   the GPU's idle time: two layer-length products with a small read between them, against without.
@@ -23,10 +23,10 @@ from moetrain.tools.bench.timing import kernel_ms
 
 
 class _Loopback:
-    """NoSync's transport with nothing sent: this rank's blocks come back, plus the sink row."""
+    """NoSync's transport with nothing sent: this rank's blocks come back as they are."""
 
     def exchange(self, send_RD: torch.Tensor, payload: str = "bf16") -> torch.Tensor:
-        return torch.cat([send_RD, send_RD.new_zeros(1, send_RD.shape[1])])
+        return send_RD
 
 
 def _routing(tokens: int, top_k: int, num_experts: int, device) -> RoutingResult:
@@ -38,10 +38,16 @@ def _routing(tokens: int, top_k: int, num_experts: int, device) -> RoutingResult
 
 
 def index_work_s(
-    config: RunConfig, ep: int, capacity_factor: float, device: torch.device
+    config: RunConfig,
+    ep: int,
+    capacity_factor: float,
+    device: torch.device,
+    compiled: bool | None = None,
 ) -> tuple[float, float]:
     """(BalancedDispatcher, NoSync stand-in) seconds of one MoE layer's dispatch and combine,
-    forward and backward, for one micro-batch of the config at expert-parallel degree `ep`."""
+    forward and backward, for one micro-batch of the config at expert-parallel degree `ep`;
+    `compiled` (default: on CUDA, as the step runs them) under torch.compile, dispatch and
+    combine each one compiled region."""
     T = config.train.micro_batch_size * config.train.seq_len
     K, E, D = config.moe.top_k, config.moe.num_experts, config.model.d_model
     x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -54,13 +60,21 @@ def index_work_s(
     def every_rank_alike(counts_E, group, traced=True):
         return counts_E.unsqueeze(0).expand(ep, -1).contiguous()
 
-    def step(dispatcher) -> None:
-        rows, _, handle = dispatcher.dispatch(x, routing)
-        dispatcher.combine(rows, handle).backward(torch.ones_like(x))
-        x.grad = None
+    def step_of(dispatcher):
+        dispatch, combine = dispatcher.dispatch, dispatcher.combine
+        if compiled:  # two regions: in the step the experts' GEMMs sit between them
+            dispatch, combine = torch.compile(dispatch), torch.compile(combine)
 
+        def step() -> None:
+            rows, _, handle = dispatch(x, routing)
+            combine(rows, handle).backward(torch.ones_like(x))
+            x.grad = None
+
+        return step
+
+    compiled = device.type == "cuda" if compiled is None else compiled
     with mock.patch.object(ep_dispatch, "all_gather_counts", every_rank_alike):
-        times = [kernel_ms(lambda d=d: step(d)) for d in (BalancedDispatcher(E // ep), no_sync)]
+        times = [kernel_ms(step_of(d)) for d in (BalancedDispatcher(E // ep), no_sync)]
     return times[0] / 1e3, times[1] / 1e3
 
 

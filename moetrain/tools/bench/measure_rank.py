@@ -185,7 +185,7 @@ def measure_preset(
     RankCompute, the record)."""
     device = torch.device(bench_kw.get("device") or "cuda")
     local, no_sync = dispatch_cost.index_work_s(config, gpus, 1.25, device)
-    costs = {"balanced_s": local, "no_sync_s": no_sync}
+    costs = {"balanced_s": local, "no_sync_s": no_sync, "compiled": device.type == "cuda"}
     record = {"dispatcher": costs | {"host_sync_s": dispatch_cost.host_sync_s(config, device)}}
     print_fn(f"{config.name} dispatcher at ep {gpus}: {record['dispatcher']}")
     measured = {}
