@@ -430,6 +430,7 @@ class Trainer:
             "spike_total": self.spike_total,
             "train_loader": self.train_loader.state_dict(),
             "world_size": self.dims.world_size,
+            "tokens_per_step": self.tokens_per_step,
             "data_fingerprint": self.data_fingerprint,
             # every router draws once per forward, so one number restores them all
             "routing_draws": max((m.router.draws for m in self.model.moe_layers()), default=0),
@@ -457,7 +458,9 @@ class Trainer:
         """Resume from `path` (its files' hashes checked unless `verified` already). Its
         config.yaml must agree with this run's on the architecture and the data
         (moetrain/train/resume_config.py); anything else may have changed."""
-        check_resume(Path(path), self.config, self.allow_lr_increase, self.is_main)
+        check_resume(
+            Path(path), self.config, self.allow_lr_increase, self.is_main, self.tokens_per_step
+        )
         optim = self.optimizer.state_dict()
         state = self.tensor_state(optim)
         trainer_state = manager.load(path, state, check_hashes=not verified)
