@@ -84,23 +84,41 @@ def check_device(device: str | None) -> None:
         raise ValueError(f"--device {device}: this machine has CUDA devices cuda:0..{count - 1}")
 
 
+def train_config(args: argparse.Namespace) -> RunConfig:
+    """The config `train` runs: `load_config`'s, or with --resume the run's own config.yaml
+    with the --set changes it allows, validated against that config (a --preset or YAML given
+    again must agree with it; without a config.yaml, a first start, the requested config).
+    Sets `args.run_dir` to the directory a resume reads."""
+    if args.resume and args.overwrite:
+        raise ValueError(
+            "--resume continues the run in its directory and --overwrite deletes it: "
+            "pass --resume to go on with the run, or --overwrite to start it over"
+        )
+    if not args.resume:
+        return load_config(args)
+    from moetrain.data import resolve_data_paths
+    from moetrain.train.resume_config import resume_run_config
+
+    given = " and ".join(filter(None, [args.preset and f"--preset {args.preset}", args.config]))
+    requested = load_config(args) if given else None
+    names = [item.partition("=")[2] for item in args.set or [] if item.startswith("name=")]
+    name = requested.name if requested else (names or [layered_config(DEFAULT_PRESET).name])[-1]
+    args.run_dir = args.run_dir or str(Path("runs") / name)
+    run_dir, overrides = Path(args.run_dir), args.set or []
+    if requested is None and not (run_dir / "config.yaml").is_file():
+        requested = load_config(args)  # a first start under a requeue-safe --resume
+    return resume_run_config(run_dir, requested, overrides, given, resolve_data_paths)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.trainer import Trainer, TrainingStopped
 
-    config = load_config(args)
+    config = train_config(args)
     if args.dry_run:  # builds nothing: --device may name a device this machine lacks
         from moetrain.tools.dry_run import run_dry_run
 
         return run_dry_run(config, args)
     check_device(args.device)
-    if args.resume:  # the run's own config.yaml, with the --set changes it allows
-        from moetrain.data import resolve_data_paths
-        from moetrain.train.resume_config import resume_run_config
-
-        args.run_dir = args.run_dir or str(Path("runs") / config.name)
-        given = " and ".join(filter(None, [args.preset and f"--preset {args.preset}", args.config]))
-        run_dir, overrides = Path(args.run_dir), args.set or []
-        config = resume_run_config(run_dir, config, overrides, given, resolve_data_paths)
     from moetrain.tools.fits import check_fits
 
     check_fits(config, args.device, force=args.force)

@@ -93,6 +93,24 @@ def test_resume_rebuilds_the_config_from_the_run(tmp_cache, tmp_path, capsys):
     assert yaml.safe_load((run / "config.yaml").read_text()) == saved
 
 
+def test_a_resume_validates_its_changes_against_the_run_not_the_demo(tmp_cache, tmp_path, capsys):
+    """--set on --resume without --preset: 1024 tokens a step is legal for the tiny run (a
+    multiple of its micro-batch of 8 x 64) but not for the demo preset's (16 x 128); and
+    --overwrite, which would delete the run --resume continues, is refused with both."""
+    run = tmp_path / "run"
+    first = ["train", "--preset", "tiny", "--quiet", "--run-dir", str(run)]
+    assert main([*first, "--set", "train.steps=2", "--set", "train.eval_every=0"]) == 0
+    capsys.readouterr()
+    resume = ["train", "--resume", "--quiet", "--run-dir", str(run)]
+    assert main([*resume, "--set", "train.global_batch_tokens=1024"]) == 0
+    err = capsys.readouterr().err
+    assert "must be a multiple" not in err and "already at train.steps (2)" in err, err
+    assert main([*resume, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume continues the run in its directory and --overwrite deletes it" in err, err
+    assert (run / "checkpoints" / "step-2").is_dir()
+
+
 def test_a_relative_eval_set_of_an_older_run_resumes_from_its_directory(
     tmp_path, monkeypatch, capsys
 ):

@@ -351,11 +351,13 @@ def tokenize_units(
 
 class _SourceCheck:
     """Raises the error of a source without documents as soon as all its units are done; text
-    files without any are listed in `empty` instead (a directory of texts may hold some)."""
+    files without any are listed in `empty` instead (a directory of texts may hold some), unless
+    their text was skipped as a bad record (counted there, not as empty)."""
 
     def __init__(self, units: list[Unit], text_field: str):
         self.remaining = Counter(u.source_index for u in units)
         self.docs: Counter[int] = Counter()
+        self.skipped: Counter[int] = Counter()
         self.empty: list[Source] = []
         self.sums = [sum(u.part.num_bytes for u in units), 0, 0]
         self.text_field = text_field
@@ -363,11 +365,13 @@ class _SourceCheck:
     def add(self, unit: Unit, record: dict[str, Any]) -> dict[str, Any]:
         self.remaining[unit.source_index] -= 1
         self.docs[unit.source_index] += record["num_documents"]
+        self.skipped[unit.source_index] += record.get("skipped", 0)
         self.sums[1] += record["num_documents"]
         self.sums[2] += record["num_tokens"]
         if self.remaining[unit.source_index] == 0 and self.docs[unit.source_index] == 0:
             if isinstance(unit.source, Path) and suffix_of(unit.source) == ".txt":
-                self.empty.append(unit.source)
+                if self.skipped[unit.source_index] == 0:
+                    self.empty.append(unit.source)
             else:
                 raise ValueError(
                     f"input {unit.source} holds no documents (no non-empty {self.text_field!r} "

@@ -75,6 +75,13 @@ def prepare(
     with WorkDir(work_dir_of(out), work_settings(tok, options)) as work:
         _remove_leftovers(out)
         records = tokenize_units(units, work, tok, options, workers, progress)
+        if sum(r["num_documents"] for r in records.values()) == 0:
+            work.remove()  # nothing to resume from: no advice to resume it
+            skipped = sum(r.get("skipped", 0) for r in records.values())
+            raise ValueError(
+                f"the input holds no documents ({len(units)} units read, {skipped} bad records "
+                "skipped): nothing to prepare; check the paths, --text-field and --split-text"
+            )
         documents = (ids for u in units for ids in work.documents(u, records[u.key]))
         meta = {
             "val_fraction": val_fraction,

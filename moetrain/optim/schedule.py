@@ -43,9 +43,10 @@ def lr_change(old: TrainConfig, new: TrainConfig, step: int, allow_increase: boo
     parameter kind's multiplier (`param_groups.lr_mults`) from `old` to `new` (None when neither
     changed or no step is left): per kind that changed (the schedule's LR, which the dense
     parameters train at; an expert or router multiplier), its last value and its values at the
-    new schedule's next step and corners, by the step numbers logs use (the LR of log step n is
-    lr_at(n - 1)). A kind's next LR above both its last one and what `old` would have given it
-    (a re-warm: the loss rises) is a ValueError unless `allow_increase`."""
+    new schedule's next step and its corners up to `new.steps`, by the step numbers logs use
+    (the LR of log step n is lr_at(n - 1)). A kind's next LR above both its last one and what
+    `old` would have given it (a re-warm: the loss rises) is a ValueError unless
+    `allow_increase`; the error's advice, given back verbatim, passes this check."""
     if step >= new.steps:
         return None
     schedule_changed = any(getattr(old, f) != getattr(new, f) for f in SCHEDULE_FIELDS)
@@ -74,31 +75,62 @@ def lr_change(old: TrainConfig, new: TrainConfig, step: int, allow_increase: boo
 def _group_change(
     kind: str, old: TrainConfig, new: TrainConfig, step: int, old_mult: float, new_mult: float
 ) -> tuple[str, bool]:
-    """(what the LR of parameters of `kind` does, whether it jumps up) on resume at `step`."""
+    """(what the LR of parameters of `kind` does, whether it jumps up) on resume at `step`:
+    its next value and its corners (the end of the warmup, the start of a wsd decay, the last
+    step) among the steps the run still trains."""
     corners = {new.warmup_steps - 1, new.steps - 1}
     if new.schedule == "wsd":
         corners.add(_decay_start(new) - 1)
-    points = [f"{lr_at(step, new) * new_mult:.3g} at step {step + 1}"]
-    points += [
-        f"{lr_at(c, new) * new_mult:.3g} at step {c + 1}" for c in sorted(corners) if c > step
-    ]
     last = lr_at(step - 1, old) * old_mult if step > 0 else None
-    was = f"from {last:.3g} (step {step}) " if last is not None else ""
+    following = lr_at(step, new) * new_mult
+    digits = _digits_apart(last, following) if last is not None else 3
+    points = [f"{following:.{digits}g} at step {step + 1}"]
+    points += [
+        f"{lr_at(c, new) * new_mult:.3g} at step {c + 1}"
+        for c in sorted(corners)
+        if step < c < new.steps
+    ]
+    was = f"from {last:.{digits}g} (step {step}) " if last is not None else ""
     what = "the LR"  # the dense parameters' multiplier is 1: the schedule's own
     if kind != "dense":
         what = f"the {kind} LR (train.{kind}_lr_mult {old_mult:g} -> {new_mult:g})"
     note = f"{what} goes {was}to {', then '.join(points)} ({new.schedule})"
     would = lr_at(step, old) * old_mult
-    jumps = last is not None and lr_at(step, new) * new_mult > max(last, would) * (1 + 1e-9)
+    jumps = last is not None and following > max(last, would) * (1 + 1e-9)
     return note, jumps
+
+
+def _digits_apart(a: float, b: float) -> int:
+    """Significant digits (3 or more) that show two LRs as different when they differ by more
+    than the jump check's tolerance (float noise stays hidden)."""
+    digits, apart = 3, abs(a - b) > 1e-9 * max(abs(a), abs(b))
+    while apart and digits < 17 and f"{a:.{digits}g}" == f"{b:.{digits}g}":
+        digits += 1
+    return digits
 
 
 def _how_to_keep(kind: str, old: TrainConfig, step: int) -> str:
     """How to resume without the jump of `kind`'s LR."""
     if kind != "dense":
-        return f"to keep the {kind} LR, leave train.{kind}_lr_mult at {lr_mults(old)[kind]:g}"
+        mult = lr_mults(old)[kind]
+        shown = f"{mult:g}" if float(f"{mult:g}") == mult else repr(mult)
+        return f"to keep the {kind} LR, leave train.{kind}_lr_mult at {shown}"
+    last = lr_at(step - 1, old)
+    if last <= 0:
+        return "the run last trained at an LR of 0 (train.min_lr_ratio 0), so any LR is a jump"
     return (
         f"to go on at the current LR, --set train.schedule=constant --set train.lr="
-        f"{lr_at(step - 1, old):.3g} --set train.warmup_steps=0. A wsd schedule extends without "
-        "a jump while the run has not reached its decay"
+        f"{at_most(last)} --set train.warmup_steps=0. A wsd schedule extends without a jump "
+        "while the run has not reached its decay"
     )
+
+
+def at_most(value: float) -> str:
+    """The shortest decimal of 3 or more significant digits that does not exceed `value`: an LR
+    printed as advice, which the jump check must accept when given back verbatim (`.3g` alone
+    may round it up)."""
+    for digits in range(3, 17):
+        text = f"{value:.{digits}g}"
+        if float(text) <= value:
+            return text
+    return repr(value)  # round-trips exactly

@@ -46,6 +46,7 @@ class Checkpointer:
         train_loader: Any,
         bad_steps: BadSteps,
         tokenizer: Any,
+        tokens_per_step: int,
         allow_lr_increase: bool = False,
     ) -> None:
         self.config, self.run_dir, self.root, self.dims = (
@@ -56,7 +57,7 @@ class Checkpointer:
         )
         self.model, self.optimizer, self.train_loader = model, optimizer, train_loader
         self.bad_steps, self.tokenizer = bad_steps, tokenizer
-        self.allow_lr_increase = allow_lr_increase
+        self.allow_lr_increase, self.tokens_per_step = allow_lr_increase, tokens_per_step
         self.data_fingerprint = data_fingerprint(config.data)
         self.tokenizer_files = (  # every checkpoint carries them (data/tokenizer_files.py)
             tokenizer_files(tokenizer, config.train.seq_len) if tokenizer is not None else None
@@ -93,6 +94,7 @@ class Checkpointer:
             "spike_total": bad.spike_total,
             "train_loader": self.train_loader.state_dict(),
             "world_size": self.dims.world_size,
+            "tokens_per_step": self.tokens_per_step,
             "data_fingerprint": self.data_fingerprint,
             **({"loss_window": bad.spikes.state_dict()} if bad.spikes is not None else {}),
             **({"tokenizer": describe(self.tokenizer)} if self.tokenizer is not None else {}),
@@ -114,7 +116,13 @@ class Checkpointer:
         """Restore the run from `path` (its files' hashes checked unless `verified` already);
         returns its step. Its config.yaml must agree with this run's on the architecture and the
         data (moetrain/train/resume_config.py); anything else may have changed."""
-        check_resume(Path(path), self.config, self.allow_lr_increase, self.run_dir.is_main)
+        check_resume(
+            Path(path),
+            self.config,
+            self.allow_lr_increase,
+            self.run_dir.is_main,
+            self.tokens_per_step,
+        )
         optim = self.optimizer.state_dict()
         state = self.tensor_state(optim)
         trainer_state = manager.load(path, state, check_hashes=not verified)

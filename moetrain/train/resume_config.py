@@ -68,7 +68,7 @@ def check_resumable(saved: RunConfig, new: RunConfig, source: str) -> list[str]:
 
 def resume_run_config(
     run_dir: Path,
-    requested: RunConfig,
+    requested: RunConfig | None,
     overrides: list[str],
     requested_from: str = "",
     resolve_paths: Callable[[RunConfig], RunConfig] = lambda config: config,
@@ -77,10 +77,12 @@ def resume_run_config(
     `overrides`, checked by `check_resumable`. A --preset or YAML given again (`requested_from`
     names it, `requested` is what it builds with the same overrides) must equal it, or it would
     change fields silently; its paths compare by the files they name (`resolve_paths` makes
-    both sides' absolute: data/run_paths.py). Without a config.yaml (a first start under a
-    requeue-safe --resume) the requested config."""
+    both sides' absolute: data/run_paths.py). The overrides are validated against the run's
+    config alone (`requested` may be None when nothing is given again). Without a config.yaml
+    (a first start under a requeue-safe --resume) the requested config."""
     path = run_dir / "config.yaml"
     if not path.is_file():
+        assert requested is not None, "a first start needs the requested config"
         return requested
     saved = RunConfig.load_yaml(path)
     config = saved.with_overrides(overrides)

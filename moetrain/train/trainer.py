@@ -104,6 +104,7 @@ class Trainer:
             train_loader=self.train_loader,
             bad_steps=self.bad_steps,
             tokenizer=self.tokenizer,
+            tokens_per_step=self.tokens_per_step,
             allow_lr_increase=allow_lr_increase,
         )
         report = progress and self.is_main

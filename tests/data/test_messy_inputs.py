@@ -55,6 +55,22 @@ def test_one_text_file_splits_by_tokens_paragraphs_or_lines(tmp_path, capsys):
     assert prepare(texts, "--out", tmp_path / "dir") == 0
     assert "skipped 2 empty text files" in capsys.readouterr().err
     assert sorted(documents(tmp_path / "dir")) == ["text 1", "text 3"]
+    # a text that is not UTF-8, skipped as a bad record, is counted as that alone, not as empty
+    (texts / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    capsys.readouterr()
+    assert prepare(texts, "--out", tmp_path / "bad", "--on-bad-record", "skip") == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 bad records" in err and "latin1.txt" in err, err
+    empty = next(line for line in err.splitlines() if "empty text files" in line)
+    assert "skipped 2 empty text files (" in empty and "latin1.txt" not in empty, err
+    # nothing but empty texts: an error saying so, and no work directory offered for a resume
+    empty_dir = tmp_path / "blank"
+    empty_dir.mkdir()
+    (empty_dir / "a.txt").write_text(" \n")
+    assert prepare(empty_dir, "--out", tmp_path / "none") == 2
+    err = capsys.readouterr().err
+    assert "the input holds no documents" in err and "resumes" not in err, err
+    assert not list(tmp_path.glob("none*"))
 
 
 def test_bad_records_stop_or_are_skipped_and_counted(tmp_path, capsys):

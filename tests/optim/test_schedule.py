@@ -7,6 +7,7 @@ import math
 import re
 
 import pytest
+import yaml
 
 from moetrain.config import TrainConfig, presets
 from moetrain.model.transformer import Transformer
@@ -110,3 +111,49 @@ def test_a_schedule_and_a_multiplier_changed_together_report_both():
     note = lr_change(old, new, step, allow_increase=True)
     assert note.startswith(f"the LR goes from {lr_at(step - 1, old):.3g} (step {step}) to ")
     assert "; the expert LR (train.expert_lr_mult 1 -> 0.5) goes from" in note
+
+
+def _followed(old: TrainConfig, new: TrainConfig, message: str) -> TrainConfig:
+    """`new` with the `--set train.FIELD=VALUE` advice of `message` applied as the CLI would."""
+    advice = dict(re.findall(r"--set train\.(\w+)=(\S+)", message))
+    assert set(advice) == {"schedule", "lr", "warmup_steps"}, message
+    values = {k: yaml.safe_load(v.rstrip(".;")) for k, v in advice.items()}
+    return dataclasses.replace(new, **values)
+
+
+def test_the_advice_of_a_refused_jump_passes_when_followed_verbatim():
+    """The refusal names an LR to go on with; passed back as written, it is no jump, and it is
+    the LR the run last trained with to 3 significant digits. The cases include LRs that `.3g`
+    rounds up (the advice then failed its own check)."""
+    rounded_up = 0
+    for lr, ratio in ((0.0029999, 0.1), (1e-3, 0.1), (6.66e-4, 0.3)):
+        old = _train(lr=lr, min_lr_ratio=ratio, steps=100, warmup_steps=10)
+        for step in (*range(22, 100, 11), 100):
+            last = lr_at(step - 1, old)
+            rounded_up += float(f"{last:.3g}") > last
+            new = dataclasses.replace(old, steps=300)  # cosine over 300: the LR climbs back
+            with pytest.raises(ValueError, match="a jump above") as error:
+                lr_change(old, new, step, allow_increase=False)
+            followed = _followed(old, new, str(error.value))
+            assert lr_change(old, followed, step, allow_increase=False).startswith("the LR goes")
+            assert followed.lr == pytest.approx(last, rel=1e-2) and followed.lr <= last
+    assert rounded_up >= 3  # the advice's old rounding would have been refused this often
+
+
+def test_a_run_that_ended_at_lr_zero_is_told_any_lr_jumps():
+    old = _train(min_lr_ratio=0.0)
+    with pytest.raises(ValueError, match="an LR of 0 .* so any LR is a jump") as error:
+        lr_change(old, dataclasses.replace(old, steps=200), old.steps, allow_increase=False)
+    assert "train.lr=" not in str(error.value)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "linear"])
+def test_the_lr_report_names_only_steps_of_the_run(schedule):
+    """A run cut to fewer steps than its warmup (or a wsd decay start beyond its end): the
+    report names its next step and its last, never a corner past the end."""
+    old = _train(schedule=schedule, warmup_steps=10, steps=50)
+    for steps in (4, 8, 12):
+        new = dataclasses.replace(old, steps=steps)
+        note = lr_change(old, new, 2, allow_increase=True)
+        named = [int(n) for n in re.findall(r"at step (\d+)", note)]
+        assert named[0] == 3 and named[-1] == steps and max(named) <= steps, note

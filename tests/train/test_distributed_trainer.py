@@ -240,3 +240,39 @@ def test_compiled_no_sync_ep2_matches_one_process(tmp_path):
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in one:
         assert abs(one[step] - two[step]) <= 1e-3 * abs(one[step]), (step, one[step], two[step])
+
+
+def _resume_at_two(rank, world, run_dir, cache, overrides):
+    os.environ["MOETRAIN_CACHE"] = cache
+    from moetrain.train.trainer import Trainer
+
+    config = tiny().with_overrides(overrides)
+    try:
+        Trainer(config, run_dir, resume=True, progress=False).train()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_resume_at_another_world_size_keeps_its_tokens_a_step_or_says_how(tmp_path):
+    """With train.global_batch_tokens unset, the global batch follows the ranks: a run of 128
+    tokens a step resumed on two ranks would train 256. That is refused, naming the setting that
+    keeps it; setting the new size explicitly resumes."""
+    cache, run = str(tmp_path / "cache"), tmp_path / "run"
+    base = ["train.micro_batch_size=2", "train.log_every=1", "train.eval_every=0"]
+    base += ["train.checkpoint_every=2", "train.optimizer=sharded"]
+    _train_with(0, 1, str(run), cache, [*base, "train.steps=2"])
+    refused = run_distributed(_resume_at_two, 2, str(run), cache, [*base, "train.steps=4"])
+    for message in refused:
+        assert "trained 128 tokens a step" in message and "would train 256" in message, message
+        assert "--set train.global_batch_tokens=128 keeps it" in message, message
+    explicit = [*base, "train.steps=4", f"train.global_batch_tokens={4 * SEQ}"]
+    assert run_distributed(_resume_at_two, 2, str(run), cache, explicit) == [None, None]
+    assert set(_losses(run)) == {1, 2, 3, 4}
+
+
+def _train_with(rank, world, run_dir, cache, overrides):
+    os.environ["MOETRAIN_CACHE"] = cache
+    from moetrain.train.trainer import Trainer
+
+    Trainer(tiny().with_overrides(overrides), run_dir, progress=False).train()
