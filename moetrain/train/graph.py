@@ -56,7 +56,7 @@ class StepGraph:
                 return reason
         if config.moe.routing != "learned":
             return "random routing reseeds its generator on the host at every draw"
-        if config.precision.param_dtype == "fp32" and config.model.num_dense_layers < (
+        if config.precision.param_dtype == "fp32" and config.model.num_dense < (
             config.model.num_layers
         ):
             return (

@@ -191,7 +191,7 @@ def test_bf16_checkpoint_keeps_its_dtype_unless_cast(tmp_path):
         ("moe.score_func=sigmoid", "moe.score_func ('sigmoid'): only 'softmax'"),
         ("moe.routing=random", "moe.routing ('random'): only 'learned'"),
         ("moe.bias_update_rate=0.001", "moe.bias_update_rate (0.001): only 0.0"),
-        ("model.qk_norm=false", "model.qk_norm (False): only True"),
+        ("model.qk_norm=none", "model.qk_norm ('none'): only 'full'"),
         ("model.head_dim=32", "model.head_dim (32): head_dim x num_heads must equal model.d_model"),
     ],
 )

@@ -195,7 +195,7 @@ def run_config_from_hf(hf_config: Mapping[str, Any], *, name: str = "imported") 
         num_kv_heads=None if num_kv_heads == num_heads else num_kv_heads,
         rope_theta=float(rope_theta),
         norm_eps=float(get("rms_norm_eps")),
-        qk_norm=True,
+        qk_norm="full",
         tie_embeddings=bool(get("tie_word_embeddings")),
         init_std=float(get("initializer_range")),
     )
