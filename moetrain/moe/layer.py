@@ -88,6 +88,8 @@ class MoELayer(nn.Module):
             routing=config.routing,
             use_bias=config.bias_update_rate > 0,
             seed=seed,
+            n_groups=config.n_groups,
+            topk_groups=config.topk_groups,
         )
         self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden)
         self.shared_expert = (

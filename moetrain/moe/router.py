@@ -3,7 +3,8 @@
 Letters: T tokens, D model dim, E experts, K top-k.
 Scores are softmax (OLMoE) or sigmoid over all experts, in fp32. Experts are the top-k of the
 scores plus an optional per-expert bias (aux-loss-free balancing: it moves the selection, never
-the weights); weights are the selected scores, optionally renormalized. Random mode (benchmarks)
+the weights), among the experts of each token's best groups under group-limited routing
+(moe/group_limit.py); weights are the selected scores, optionally renormalized. Random mode (benchmarks)
 draws K distinct experts per token from a seeded device generator; its weights are still the
 scores at the drawn experts, so compute and gradients keep their shape.
 """
@@ -17,6 +18,7 @@ from torch import nn
 
 from moetrain.kernels.topk import route_topk
 from moetrain.moe import balance
+from moetrain.moe.group_limit import group_limited_scores
 from moetrain.moe.recompute import forward_value
 
 
@@ -42,11 +44,14 @@ class TopKRouter(nn.Module):
         routing: str = "learned",
         use_bias: bool = False,
         seed: int = 0,
+        n_groups: int = 1,
+        topk_groups: int = 1,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.renormalize, self.routing = score_func, renormalize, routing
         self.seed = seed
+        self.n_groups, self.topk_groups = n_groups, topk_groups
         self.gate = nn.Linear(d_model, num_experts, bias=False)
         # Aux-loss-free balancing bias: a buffer (not trained by the optimizer, but checkpointed).
         self.register_buffer(
@@ -76,6 +81,8 @@ class TopKRouter(nn.Module):
             selection_TE = scores_TE.detach()
             if self.expert_bias_E is not None:
                 selection_TE = selection_TE + self.expert_bias_E
+            if self.topk_groups < self.n_groups:  # group-limited routing
+                selection_TE = group_limited_scores(selection_TE, self.n_groups, self.topk_groups)
             expert_ids_TK, tokens_per_expert_E = route_topk(selection_TE, self.top_k)
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.renormalize:
