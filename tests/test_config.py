@@ -15,6 +15,7 @@ BAD_VALUES = [
     ("model.norm_eps=0", "model.norm_eps"),
     ("model.attention_backend=fast", "model.attention_backend"),
     ("model.qk_norm=maybe", "model.qk_norm"),
+    ("model.head_dim=7", "model.head_dim (7) gives heads of 7 features: RoPE rotates pairs"),
     ("model.qk_norm=1", "model.qk_norm"),  # only the booleans of older configs map
     ("model.dense_layers=[2]", "model.dense_layers ([2]) must list layer indices in [0, 2)"),
     ("model.dense_layers=[1,1]", "model.dense_layers ([1, 1]) must list"),
@@ -184,7 +185,7 @@ def test_expert_gemm_widths_are_checked_at_start_up(field, value):
     """torch._grouped_mm needs 16-byte rows; a width it cannot run is a config error, not a
     silent per-expert loop at every step."""
     with pytest.raises(ValueError, match=f"{field}.*multiple of 8"):
-        tiny().with_overrides([f"{field}={value}", "model.num_heads=4"])
+        tiny().with_overrides([f"{field}={value}", "model.num_heads=2"])
 
 
 def test_document_masking_rules_and_the_eos_id_from_the_data(tmp_cache):

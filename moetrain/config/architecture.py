@@ -94,6 +94,13 @@ class ModelConfig:
                 self.d_model,
                 f"must be divisible by model.num_heads ({self.num_heads}) unless head_dim is set",
             )
+        if self.dim_per_head % 2:
+            fail(
+                "model.head_dim" if self.head_dim else "model.d_model",
+                self.head_dim or self.d_model,
+                f"gives heads of {self.dim_per_head} features: RoPE rotates pairs, so a head's "
+                "width must be even",
+            )
         if self.num_heads % self.kv_heads:
             fail(
                 "model.num_kv_heads",
