@@ -194,7 +194,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from moetrain.model.flops import flops_per_token, param_counts
 
-    config = load_config(args)
+    config = inspected_config(args)
     counts = param_counts(config)
     dp = config.parallel.dp or 1
     edp = max(dp // config.parallel.ep, 1)
@@ -213,6 +213,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "vocab_size": config.model.vocab_size,
         "total_params": counts.total,
         "active_params": counts.active,
+        "embedding_params": counts.embedding,  # active_params leaves the input embedding out
         "expert_params": counts.experts,
         "flops_per_token": flops_per_token(config),
         "optimizer_state_bytes_per_rank": int(dense_states + expert_states),
@@ -232,6 +233,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     Console().print(table)
     return 0
+
+
+def inspected_config(args: argparse.Namespace) -> RunConfig:
+    """`load_config`, or with --hf-config the model of a Hugging Face config.json (the families
+    `moetrain import` reads) with --set over it."""
+    if args.hf_config is None:
+        return load_config(args)
+    if args.config or args.preset:
+        raise ValueError("--hf-config replaces a config file or --preset: give one of them")
+    from moetrain.config import read_yaml
+    from moetrain.tools.convert.hf import run_config_from_hf
+
+    hf_config = read_yaml(args.hf_config)  # JSON is YAML
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{args.hf_config} must hold a config.json mapping")
+    name = Path(args.hf_config).resolve().parent.name
+    return run_config_from_hf(hf_config, name=name).with_overrides(args.set or [])
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -340,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="parameters, FLOPs per token and memory of a config")
     _add_config_args(p)
+    p.add_argument(
+        "--hf-config",
+        metavar="FILE",
+        help="the model of a Hugging Face config.json (OLMoE, Qwen3-MoE, Mixtral) instead",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 

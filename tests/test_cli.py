@@ -52,6 +52,61 @@ def test_inspect_json_reports_counts(capsys):
     assert info["total_params"] == 942_441_472 and info["active_params"] == 186_287_104
 
 
+# The published configs (config.json on the Hub) of Qwen3-30B-A3B and Mixtral-8x7B-v0.1.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 32000,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("preset", "hf_config", "total_b", "active_b"),
+    [("qwen3-30b-a3b", QWEN3_30B_A3B, 30.5, 3.3), ("mixtral-8x7b", MIXTRAL_8X7B, 46.7, 12.9)],
+)
+def test_inspect_of_the_published_families_gives_their_totals(
+    tmp_path, capsys, preset, hf_config, total_b, active_b
+):
+    """`moetrain inspect` of the preset and of the published config.json agree, and give the
+    published totals (billions, to the one decimal published; the published active counts
+    include the input embedding, which ours leaves out). Memory: bf16 weights and gradients,
+    fp32 master weights and two moments, on one rank."""
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    infos = []
+    for args in (["--preset", preset], ["--hf-config", str(tmp_path / "config.json")]):
+        assert main(["inspect", *args, "--set", "train.seq_len=4096", "--json"]) == 0
+        infos.append(json.loads(capsys.readouterr().out))
+    ours, published = infos
+    assert {k: v for k, v in ours.items() if k != "name"} == {
+        k: v for k, v in published.items() if k != "name"
+    }
+    total, active = ours["total_params"], ours["active_params"] + ours["embedding_params"]
+    assert abs(total / 1e9 - total_b) < 0.05, total
+    assert abs(active / 1e9 - active_b) < 0.06, active  # Qwen prints 3.353B as 3.3B
+    assert ours["weights_and_grads_bytes_per_rank"] == 4 * total
+    assert ours["optimizer_state_bytes_per_rank"] == 12 * total
+    assert main(["inspect", "--preset", preset, "--hf-config", "x.json"]) == 2
+    assert "--hf-config replaces" in capsys.readouterr().err
+
+
 def test_bad_override_is_exit_2(capsys):
     assert main(["inspect", "--preset", "tiny", "--set", "moe.top_k=99"]) == 2
     assert "moe.top_k (99)" in capsys.readouterr().err

@@ -15,6 +15,16 @@ BAD_VALUES = [
     ("model.norm_eps=0", "model.norm_eps"),
     ("model.attention_backend=fast", "model.attention_backend"),
     ("model.qk_norm=maybe", "model.qk_norm"),
+    ("model.head_dim=7", "model.head_dim (7) gives heads of 7 features: RoPE rotates pairs"),
+    ("model.qk_norm=1", "model.qk_norm"),  # only the booleans of older configs map
+    ("model.dense_layers=[2]", "model.dense_layers ([2]) must list layer indices in [0, 2)"),
+    ("model.dense_layers=[1,1]", "model.dense_layers ([1, 1]) must list"),
+    ("model.dense_layers=[1,0]", "in increasing order"),
+    ("model.dense_layers=x", "model.dense_layers"),
+    ("moe.n_groups=3", "moe.n_groups (3) must divide moe.num_experts (8)"),
+    ("moe.n_groups=8", "moe.n_groups (8) must leave at least 2 experts a group"),
+    ("moe.n_groups=0", "moe.n_groups (0) must be > 0"),
+    ("moe.topk_groups=2", "moe.topk_groups (2) must be <= moe.n_groups (1)"),
     ("moe.top_k=9", "moe.top_k"),
     ("moe.num_experts=0", "moe.num_experts"),
     ("moe.expert_hidden=abc", "moe.expert_hidden"),
@@ -49,6 +59,31 @@ BAD_VALUES = [
 def test_bad_value_names_the_field(override, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         tiny().with_overrides([override])
+
+
+def test_dense_layers_and_group_limits_across_fields():
+    with pytest.raises(ValueError, match=r"model\.dense_layers \(\[1\]\) cannot be combined"):
+        tiny().with_overrides(["model.num_dense_layers=1", "model.dense_layers=[1]"])
+    # top-3 needs at least 3 experts in the chosen groups: one group of 2 holds 2
+    grouped = ["moe.n_groups=4", "moe.topk_groups=1", "moe.top_k=3"]
+    with pytest.raises(ValueError, match=r"moe\.top_k \(3\) must be <= moe\.topk_groups x"):
+        tiny().with_overrides(grouped)
+    config = tiny().with_overrides([*grouped[:-1], "moe.top_k=2"])
+    assert config.moe.group_limited and not tiny().moe.group_limited
+    config = tiny().with_overrides(["model.num_layers=4", "model.dense_layers=[1, 3]"])
+    assert [config.model.is_dense(i) for i in range(4)] == [False, True, False, True]
+    assert config.model.num_dense == 2
+
+
+def test_boolean_qk_norm_of_older_configs_reads_as_full_or_none(tmp_path):
+    """qk_norm was true/false: a run's config.yaml, a YAML and --set still read, as the same
+    model (true: the full-projection norm)."""
+    for old, new in ((True, "full"), (False, "none")):
+        data = tiny().to_dict()
+        data["model"]["qk_norm"] = old
+        assert RunConfig.from_dict(data).model.qk_norm == new
+        assert tiny().with_overrides([f"model.qk_norm={str(old).lower()}"]).model.qk_norm == new
+    assert tiny().with_overrides(["model.qk_norm=per_head"]).model.qk_norm == "per_head"
 
 
 def test_eval_batches_of_older_configs_become_eval_sequences():
@@ -150,7 +185,7 @@ def test_expert_gemm_widths_are_checked_at_start_up(field, value):
     """torch._grouped_mm needs 16-byte rows; a width it cannot run is a config error, not a
     silent per-expert loop at every step."""
     with pytest.raises(ValueError, match=f"{field}.*multiple of 8"):
-        tiny().with_overrides([f"{field}={value}", "model.num_heads=4"])
+        tiny().with_overrides([f"{field}={value}", "model.num_heads=2"])
 
 
 def test_document_masking_rules_and_the_eos_id_from_the_data(tmp_cache):

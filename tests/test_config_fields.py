@@ -26,10 +26,11 @@ def test_missing_declarations_names_each_undeclared_field():
         no_format: int = frozen(3)
         setting: int = resumable(4, in_model=False)
 
-    assert FORMATS == ("olmoe",)  # the message below names the formats
+    assert FORMATS == ("olmoe", "qwen3_moe", "mixtral")  # the messages below name them
     assert missing_declarations(Section) == [
+        "declared (no export rule for qwen3_moe, mixtral)",
         "plain (no frozen/resumable)",
-        "no_format (no export rule for olmoe)",
+        "no_format (no export rule for olmoe, qwen3_moe, mixtral)",
     ]
     with pytest.raises(TypeError, match="unknown export format"):
         frozen(0, olmo=ANY)

@@ -76,8 +76,13 @@ def test_per_rank_shapes_with_ep4_pp2():
     assert up.shape == (16, D, 2 * F) and up.count == 4 and up.kind == "expert"
 
 
-def test_ranks_together_hold_the_model_once():
-    config = get_preset("small")
+@pytest.mark.parametrize(
+    "overrides", [[], ["model.dense_layers=[2,3,5]", "model.qk_norm=per_head"]]
+)
+def test_ranks_together_hold_the_model_once(overrides):
+    """Each rank's model holds what the planner counts for it (dense layers at any positions
+    included), and the ranks together hold the model once."""
+    config = get_preset("small").with_overrides(overrides)
     layout = P.Layout(pp=2, dp=4, ep=4, micro_batch_size=1)
     # one dp group of a stage holds each expert once and every dense parameter ep times
     dense = experts = 0
@@ -85,11 +90,16 @@ def test_ranks_together_hold_the_model_once():
         stage, dp_rank, _ = P.rank_coordinates(layout, rank)
         if dp_rank >= layout.ep:
             continue
+        rank_dense = rank_experts = 0
         for name, p in build_rank_model(config, layout, rank).named_parameters():
             if name.endswith(("w_up_eD2F", "w_down_eFD")):
-                experts += p.numel()
-            elif dp_rank == 0:
-                dense += p.numel()
+                rank_experts += p.numel()
+            else:
+                rank_dense += p.numel()
+        planned = P.rank_params(config, pp=layout.pp, ep=layout.ep, stage=stage)
+        assert (rank_dense, rank_experts) == (planned.dense, planned.experts), rank
+        experts += rank_experts
+        dense += rank_dense if dp_rank == 0 else 0
     assert dense + experts == param_counts(config).total
 
 

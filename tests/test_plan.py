@@ -177,7 +177,9 @@ def _saved_bytes(model: nn.Module, fn) -> int:
 VARIANTS = [
     ({}, {}),
     ({"num_dense_layers": 1, "num_kv_heads": 2}, {"num_shared_experts": 1, "top_k": 3}),
-    ({"qk_norm": False, "d_model": 128, "num_heads": 2}, {}),
+    ({"qk_norm": "none", "d_model": 128, "num_heads": 2}, {}),
+    # a dense layer after a MoE one (stage 1 of 2 holds it); per-head q/k norms
+    ({"dense_layers": (1,), "qk_norm": "per_head", "num_kv_heads": 2}, {}),
 ]
 
 
@@ -247,7 +249,9 @@ def test_stage_layer_ranges_split_contiguously():
 def test_stages_hold_every_parameter_once(pp):
     base = get_preset("small")
     tied = dataclasses.replace(base.model, tie_embeddings=True, num_dense_layers=2)
-    for config in (base, dataclasses.replace(base, model=tied)):
+    scattered = dataclasses.replace(base.model, dense_layers=(1, 4, 5), qk_norm="per_head")
+    for model in (base.model, tied, scattered):
+        config = dataclasses.replace(base, model=model)
         counts = param_counts(config)
         held = sum(P.rank_params(config, pp=pp, ep=4, stage=s).dense for s in range(pp))
         held += sum(P.rank_params(config, pp=pp, ep=4, stage=s).experts * 4 for s in range(pp))

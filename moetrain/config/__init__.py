@@ -1,5 +1,6 @@
-"""Run configuration: frozen, keyword-only dataclasses, one per section (`moetrain.config.sections`,
-re-exported here), loaded from YAML.
+"""Run configuration: frozen, keyword-only dataclasses, one per section (the model's in
+`moetrain.config.architecture`, the run's in `moetrain.config.sections`, re-exported here), loaded
+from YAML.
 
 A `RunConfig` is `model` + `moe` + `parallel` + `train` + `data` + `precision`; `layer` puts a
 partial mapping (a YAML on a preset) over a base config. Every section validates itself at
@@ -19,12 +20,11 @@ from typing import Any
 
 import yaml
 
+from moetrain.config.architecture import ModelConfig, MoEConfig
 from moetrain.config.sections import (
     DataConfig,
     DataSource,
     EvalSet,
-    ModelConfig,
-    MoEConfig,
     ParallelConfig,
     PrecisionConfig,
     TrainConfig,
@@ -286,9 +286,19 @@ RENAMED_CHOICES = {
 }
 
 
+# (field, value of older configs) -> the choice it now reads as, silently: the same model, so an
+# older run's config.yaml resumes and exports as before.
+LEGACY_CHOICES = {("model.qk_norm", True): "full", ("model.qk_norm", False): "none"}
+
+
 def _build_section(section: str, values: Any) -> Any:
     if isinstance(values, dict):
         values = dict(values)
+        for (key, old), choice in LEGACY_CHOICES.items():
+            legacy_section, _, name = key.partition(".")
+            value = values.get(name)
+            if legacy_section == section and type(value) is type(old) and value == old:
+                values[name] = choice
         for key, why in REMOVED_FIELDS.items():
             removed_section, _, name = key.partition(".")
             value = values.pop(name, False) if removed_section == section else False

@@ -1,12 +1,12 @@
 """The rules of a config field beyond its type, declared at the field: may a resume change it,
 and which of its values can each export format represent.
 
-`moetrain.config.sections` builds every field with `frozen(default, ...)` or
+`moetrain.config.architecture` and `moetrain.config.sections` build every field with `frozen(default, ...)` or
 `resumable(default, ...)` (in place of a plain default), which answer the first question; the
 keywords answer the second:
 
-    d_model: int = frozen(1024, olmoe=ANY)              # OLMoE holds any width
-    qk_norm: bool = frozen(True, olmoe=Only(True))      # OLMoE always has qk-norm
+    d_model: int = frozen(1024, olmoe=ANY, qwen3_moe=ANY, mixtral=ANY)   # any width
+    qk_norm: ... = frozen("full", olmoe=Only("full"), qwen3_moe=Only("per_head"), ...)
     lr: float = resumable(3e-4, in_model=False)         # no exported model depends on it
 
 A field of the model names each format of `FORMATS` with the values that format can hold: `ANY`,
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 # The formats `moetrain export` writes (moetrain.tools.convert); each model field declares each one.
-FORMATS = ("olmoe",)
+FORMATS = ("olmoe", "qwen3_moe", "mixtral")
 
 
 class ExportRule(Protocol):

@@ -1,8 +1,11 @@
 """Named run configurations. Each preset is a function returning a `RunConfig`.
 
 `tiny` runs on a laptop CPU in seconds and is what tests use; `demo` is the default of
-`moetrain train` (a few minutes on a 2-core CPU); the others are the benchmark architectures of
-docs/benchmarks.md: the OLMoE block (qk-norm, RoPE theta 10,000, untied embeddings, softmax
+`moetrain train` (a few minutes on a 2-core CPU); `qwen3-moe-tiny` and `mixtral-tiny` are the
+Qwen3-MoE and Mixtral blocks at tiny's size (for tests; they export to their families), and
+`qwen3-30b-a3b` and `mixtral-8x7b` those published models' architectures (for `moetrain inspect`,
+`plan` and `--dry-run`; train them from an import, `moetrain import`); the others are the
+benchmark architectures of docs/benchmarks.md: the OLMoE block (qk-norm, RoPE theta 10,000, untied embeddings, softmax
 router without top-k renormalization, SwiGLU experts, every layer MoE, vocabulary 50,304).
 `ref-47b` is that block at the reference's 47B expert-scaling model, for the 8-GPU projection;
 `trillion-1.2t` and `trillion-2.4t` are that block at the reference trillion-scale runs' totals,
@@ -70,6 +73,65 @@ def demo() -> RunConfig:
     )
 
 
+def qwen3_moe(name: str) -> RunConfig:
+    """The Qwen3-MoE block: per-head q/k RMSNorm, GQA, head_dim apart from d_model / heads,
+    RoPE theta 1e6, norm eps 1e-6, a softmax router renormalized over the top k, no shared
+    expert, every layer MoE. qwen3-30b-a3b is Qwen3-30B-A3B (48 layers, 128 experts, top-8):
+    30.5B parameters, 3.3B active counting the input embedding as Qwen does."""
+    big = name == "qwen3-30b-a3b"
+    return RunConfig(
+        name=name,
+        model=ModelConfig(
+            vocab_size=151936 if big else BYTE_VOCAB,
+            d_model=2048 if big else 64,
+            num_layers=48 if big else 2,
+            num_heads=32 if big else 4,
+            num_kv_heads=4 if big else 2,
+            head_dim=128 if big else 32,
+            rope_theta=1e6,
+            norm_eps=1e-6,
+            qk_norm="per_head",
+            dense_hidden=6144 if big else 256,  # Qwen3's intermediate_size (its dense layers)
+        ),
+        moe=MoEConfig(
+            num_experts=128 if big else 8,
+            top_k=8 if big else 2,
+            expert_hidden=768 if big else 128,
+            renormalize=True,
+            lb_loss_weight=0.001,
+        ),
+        train=TrainConfig(seq_len=4096, micro_batch_size=1) if big else tiny().train,
+    )
+
+
+def mixtral(name: str) -> RunConfig:
+    """The Mixtral block: no q/k norm, GQA, RoPE theta 1e6, a softmax over the top-k logits
+    (softmax renormalized over the top k), every layer MoE. mixtral-8x7b is Mixtral-8x7B (32
+    layers, 8 experts of 14336, top-2): 46.7B parameters, 12.9B active counting the input
+    embedding as Mistral does."""
+    big = name == "mixtral-8x7b"
+    return RunConfig(
+        name=name,
+        model=ModelConfig(
+            vocab_size=32000 if big else BYTE_VOCAB,
+            d_model=4096 if big else 64,
+            num_layers=32 if big else 2,
+            num_heads=32 if big else 4,
+            num_kv_heads=8 if big else 2,
+            rope_theta=1e6,
+            qk_norm="none",
+        ),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            expert_hidden=14336 if big else 128,
+            renormalize=True,
+            lb_loss_weight=0.001,
+        ),
+        train=TrainConfig(seq_len=4096, micro_batch_size=1) if big else tiny().train,
+    )
+
+
 # The OLMoE-block presets: (d_model, num_layers, num_heads, num_experts, top_k, expert_hidden,
 # seq_len, micro_batch_size). ref-47b is the reference's 47B expert-scaling model (128 experts,
 # top-4): 47.06B parameters, 3.18B active counting the input embedding as the reference does; its
@@ -129,6 +191,8 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "demo": demo,
     **{name: functools.partial(_olmoe, name) for name in _OLMOE},
+    **{name: functools.partial(qwen3_moe, name) for name in ("qwen3-moe-tiny", "qwen3-30b-a3b")},
+    **{name: functools.partial(mixtral, name) for name in ("mixtral-tiny", "mixtral-8x7b")},
     "trillion-1.2t": functools.partial(_trillion, "trillion-1.2t", 256),
     "trillion-2.4t": functools.partial(_trillion, "trillion-2.4t", 512),
 }

@@ -1,56 +1,23 @@
-"""The sections of a run configuration (`moetrain.config.RunConfig`): frozen, keyword-only
+"""The run's sections of a run configuration (`moetrain.config.RunConfig`): parallel, train, data
+and precision (the model's two are in `moetrain.config.architecture`). Frozen, keyword-only
 dataclasses, one per section, each checking its own fields at construction. Rules that span
 sections live on `RunConfig`. Errors are `ValueError`s that name the field path, the value and
 what is allowed. Each field declares where it is defined whether a resume may change it
-(`frozen` or `resumable`) and which of its values each export format can represent (`olmoe=...`,
-or `in_model=False`): `moetrain.config.fields` says how. This module does not import torch.
+(`frozen` or `resumable`); none of them is part of an exported model (`in_model=False`):
+`moetrain.config.fields` says how. This module does not import torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from moetrain.config.fields import ANY, Needs, Only, frozen, resumable
+from moetrain.config.fields import frozen, resumable
 from moetrain.config.files import same_files, tokenizer_file
-from moetrain.config.values import check_choices, fail
-
-
-def _positive(section: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and value <= 0:
-            fail(f"{section}.{name}", value, "must be > 0")
-
-
-def _non_negative(section: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value < 0:
-            fail(f"{section}.{name}", value, "must be >= 0")
+from moetrain.config.values import check_choices, fail, non_negative, positive
 
 
 # ---- the rules declared at fields (moetrain.config.fields) -------------------------------------
-# OLMoE sizes its q and k norms by d_model, so the heads must span it exactly
-_OLMOE_HEAD_DIM = Needs(
-    lambda m: m.dim_per_head * m.num_heads == m.d_model,
-    "head_dim x num_heads must equal model.d_model (OLMoE sizes its q/k norms by d_model); "
-    "leave head_dim unset",
-)
-
-
-def _bias_stays_on_or_off(key: str, old: float, new: float, source: str) -> None:
-    """A resume may change the rate of the expert bias, but not between 0 and > 0: the routers'
-    learned bias exists only while the rate is positive."""
-    if (old > 0) != (new > 0):
-        raise ValueError(
-            f"{key} cannot change between 0 and > 0 on --resume ({old!r} in {source}, {new!r} "
-            "now): the router's learned expert bias exists only while the rate is > 0, so it "
-            "would be dropped (or start again from zero); keep a positive rate (a small one all "
-            "but freezes the bias), or start a new run"
-        )
-
-
 def _same_weights(old: tuple[dict, ...], new: tuple[dict, ...]) -> bool:
     """A mix's directories may move on resume (the recorded content hash catches other data),
     its number of sources and their weights may not."""
@@ -60,131 +27,6 @@ def _same_weights(old: tuple[dict, ...], new: tuple[dict, ...]) -> bool:
 def _same_tokenizer(old: str, new: str) -> bool:
     """The same tokenizer.json under another (e.g. now absolute) path."""
     return "byte" not in (old, new) and same_files(tokenizer_file(old), tokenizer_file(new))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """The dense part of the transformer (attention, embeddings, norms)."""
-
-    # None: the tokenizer's size rounded up to a multiple of 64
-    vocab_size: int | None = frozen(None, olmoe=ANY)
-    d_model: int = frozen(1024, olmoe=ANY)
-    num_layers: int = frozen(8, olmoe=ANY)
-    num_heads: int = frozen(16, olmoe=ANY)
-    num_kv_heads: int | None = frozen(None, olmoe=ANY)  # None: num_heads (multi-head attention)
-    head_dim: int | None = frozen(None, olmoe=_OLMOE_HEAD_DIM)  # None: d_model // num_heads
-    rope_theta: float = frozen(10_000.0, olmoe=ANY)
-    norm_eps: float = frozen(1e-5, olmoe=ANY)
-    # RMSNorm over the full q and k projections (OLMoE's, which has no model without it)
-    qk_norm: bool = frozen(True, olmoe=Only(True))
-    tie_embeddings: bool = frozen(False, olmoe=ANY)
-    # the first N blocks use a dense SwiGLU MLP instead of MoE (every OLMoE layer is MoE)
-    num_dense_layers: int = frozen(0, olmoe=Only(0))
-    # hidden size of dense MLPs; None: 4 * d_model (unused in OLMoE, which has none)
-    dense_hidden: int | None = frozen(None, olmoe=ANY)
-    init_std: float = frozen(0.02, in_model=False)  # the initialization only
-    # the attention kernel (nn/attention.py): any of them computes the same model
-    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = resumable(
-        "auto", in_model=False
-    )
-
-    def __post_init__(self) -> None:
-        s = "model"
-        _positive(
-            s,
-            self,
-            "vocab_size",
-            "d_model",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "rope_theta",
-            "norm_eps",
-            "dense_hidden",
-            "init_std",
-        )
-        if self.head_dim is None and self.d_model % self.num_heads:
-            fail(
-                "model.d_model",
-                self.d_model,
-                f"must be divisible by model.num_heads ({self.num_heads}) unless head_dim is set",
-            )
-        if self.num_heads % self.kv_heads:
-            fail(
-                "model.num_kv_heads",
-                self.num_kv_heads,
-                f"must divide model.num_heads ({self.num_heads})",
-            )
-        if not 0 <= self.num_dense_layers <= self.num_layers:
-            fail(
-                "model.num_dense_layers",
-                self.num_dense_layers,
-                f"must be between 0 and model.num_layers ({self.num_layers})",
-            )
-        check_choices(s, self)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.d_model // self.num_heads
-
-    @property
-    def dense_hidden_size(self) -> int:
-        return self.dense_hidden or 4 * self.d_model
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoEConfig:
-    """The mixture-of-experts feed-forward: router, balancing and expert shapes."""
-
-    num_experts: int = frozen(64, olmoe=ANY)
-    top_k: int = frozen(8, olmoe=ANY)
-    expert_hidden: int = frozen(512, olmoe=ANY)
-    score_func: Literal["softmax", "sigmoid"] = frozen("softmax", olmoe=Only("softmax"))
-    renormalize: bool = frozen(False, olmoe=ANY)  # renormalize the top-k weights to sum to one
-    # random: uniform experts, for benchmarks
-    routing: Literal["learned", "random"] = frozen("learned", olmoe=Only("learned"))
-    lb_loss_weight: float = resumable(0.01, in_model=False)
-    # the routes the balance loss's fractions count: this rank's micro-batch, or the micro-batch
-    # of every data-parallel rank (counts summed over dp; never over a step's micro-batches:
-    # docs/design.md, "Which routes the balance loss counts")
-    lb_scope: Literal["micro_batch", "micro_batch_dp"] = resumable("micro_batch", in_model=False)
-    z_loss_weight: float = resumable(0.001, in_model=False)
-    # > 0: auxiliary-loss-free balancing with a per-expert bias in the routers' expert choice
-    bias_update_rate: float = resumable(0.0, check=_bias_stays_on_or_off, olmoe=Only(0.0))
-    num_shared_experts: int = frozen(0, olmoe=Only(0))  # always-on experts of expert_hidden each
-    # None: dropless (the exact-split all_to_all dispatcher under expert parallelism); a factor:
-    # capacity mode (no_sync on CUDA), static buffers of about factor x T x K rows per rank. A
-    # way to train: an exported model routes every token, as the dropless layer does
-    capacity_factor: float | None = resumable(None, in_model=False)
-    dispatcher: Literal["auto", "local", "all_to_all", "no_sync"] = resumable(
-        "auto", in_model=False
-    )
-    # two_chunk: each MoE block splits its micro-batch's sequences in two, so that each chunk's
-    # all-to-alls run under the other chunk's compute (docs/design.md, "Overlap")
-    overlap: Literal["none", "two_chunk"] = resumable("none", in_model=False)
-
-    def __post_init__(self) -> None:
-        s = "moe"
-        _positive(s, self, "num_experts", "top_k", "expert_hidden", "capacity_factor")
-        _non_negative(
-            s, self, "lb_loss_weight", "z_loss_weight", "bias_update_rate", "num_shared_experts"
-        )
-        if self.top_k > self.num_experts:
-            fail("moe.top_k", self.top_k, f"must be <= moe.num_experts ({self.num_experts})")
-        check_choices(s, self)
-        if self.dispatcher == "no_sync" and self.capacity_factor is None:
-            fail(
-                "moe.dispatcher",
-                "no_sync",
-                "needs moe.capacity_factor (None, dropless): the no-sync dispatcher has fixed "
-                "buffers and drops the routes beyond capacity. Set moe.capacity_factor (e.g. "
-                "1.25-2.0), or use moe.dispatcher all_to_all (or auto) for dropless routing",
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +61,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         s = "parallel"
-        _positive(s, self, "dp", "ep", "pp", "pp_microbatches", "fsdp_shard_size")
+        positive(s, self, "dp", "ep", "pp", "pp_microbatches", "fsdp_shard_size")
         check_choices(s, self)
 
     def compiles(self, device_type: str) -> bool:
@@ -295,7 +137,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         s = "train"
-        _positive(
+        positive(
             s,
             self,
             "steps",
@@ -311,7 +153,7 @@ class TrainConfig:
             "max_bad_steps",
             "muon_update_rms",
         )
-        _non_negative(
+        non_negative(
             s,
             self,
             "seed",

@@ -18,6 +18,22 @@ def fail(path: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{path} ({value!r}) {allowed}")
 
 
+def positive(section: str, obj: Any, *names: str) -> None:
+    """Each named field of `obj` is None or > 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            fail(f"{section}.{name}", value, "must be > 0")
+
+
+def non_negative(section: str, obj: Any, *names: str) -> None:
+    """Each named field of `obj` is >= 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            fail(f"{section}.{name}", value, "must be >= 0")
+
+
 @functools.cache
 def _literal_fields(cls: type) -> dict[str, tuple[Any, ...]]:
     hints = typing.get_type_hints(cls)

@@ -35,12 +35,13 @@ def param_counts(config: RunConfig) -> ParamCounts:
     m, moe = config.model, config.moe
     D, H = m.d_model, m.dim_per_head
     q_dim, kv_dim = m.num_heads * H, m.kv_heads * H
-    attention = D * q_dim + 2 * D * kv_dim + q_dim * D + ((q_dim + kv_dim) if m.qk_norm else 0)
+    qk_norms = {"none": 0, "full": q_dim + kv_dim, "per_head": 2 * H}[m.qk_norm]
+    attention = D * q_dim + 2 * D * kv_dim + q_dim * D + qk_norms
     block_norms = 2 * D
     expert = 3 * D * moe.expert_hidden
     shared = moe.num_shared_experts * expert
     router = moe.num_experts * D
-    num_moe = m.num_layers - m.num_dense_layers
+    num_moe = m.num_layers - m.num_dense
     dense_mlp = 3 * D * m.dense_hidden_size
 
     embedding = m.vocab_size * D
@@ -52,7 +53,7 @@ def param_counts(config: RunConfig) -> ParamCounts:
         + lm_head
         + D  # final norm
         + m.num_layers * per_layer_common
-        + m.num_dense_layers * dense_mlp
+        + m.num_dense * dense_mlp
         + num_moe * (router + shared)
         + experts_total
     )
@@ -77,9 +78,9 @@ def muon_matrices(config: RunConfig) -> list[tuple[int, int, int]]:
     dense MLPs, of the shared experts and of every routed expert (gate and up are two matrices
     though stored as one tensor)."""
     m = config.model
-    num_moe = m.num_layers - m.num_dense_layers
+    num_moe = m.num_layers - m.num_dense
     per_block = [
-        (m.num_dense_layers, _block_matrices(config, "dense")),
+        (m.num_dense, _block_matrices(config, "dense")),
         (num_moe, _block_matrices(config, "moe") + _block_matrices(config, "experts")),
     ]
     shapes = [(blocks * n, r, c) for blocks, block in per_block for n, r, c in block]

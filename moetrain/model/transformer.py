@@ -2,10 +2,10 @@
 
 Letters: B batch, S sequence, D d_model, V vocabulary.
 Each block is pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)), ffn a MoE layer (a dense
-SwiGLU for the first `num_dense_layers`). Blocks are keyed by global index, so a pipeline stage
-keeps global names; `embed`, `norm` and `lm_head` are None in stages that do not own them. With
-document masking the forward derives the documents from the token ids once (a stage taking
-hidden states gets them as `input_ids`). Build on meta, parallelize, `to_empty`, then `init_weights(seed)`: a pure
+SwiGLU in the blocks `ModelConfig.is_dense` names). Blocks are keyed by global index, so a
+pipeline stage keeps global names; `embed`, `norm` and `lm_head` are None in stages that do not
+own them. With document masking the forward derives the documents from the token ids once (a
+stage taking hidden states gets them as `input_ids`). Build on meta, parallelize, `to_empty`, then `init_weights(seed)`: a pure
 function of (seed, parameter name, global expert index), the same weights under any layout.
 """
 
@@ -45,7 +45,7 @@ class Block(nn.Module):
         )
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps)
         self.ffn: MoELayer | SwiGLU
-        if layer_idx < m.num_dense_layers:
+        if m.is_dense(layer_idx):
             self.ffn = SwiGLU(m.d_model, m.dense_hidden_size)
         else:
             self.ffn = MoELayer(config.moe, m.d_model, seed=config.train.seed * 1000 + layer_idx)

@@ -2,10 +2,12 @@
 
 Letters: T tokens, D model dim, E experts, K top-k.
 Built from one `RouterConfig`: the router's own settings, resolved once from `moe.*`
-(`RouterConfig.of`; a new router setting is one field there, named as in MoEConfig). Scores are softmax (OLMoE) or sigmoid over all experts, in fp32. `select` picks
-each token's experts: the top-k of the scores plus an optional per-expert bias (aux-loss-free
-balancing: it moves the selection, never the weights); weights are the scores at the selected
-experts, optionally renormalized. A variant replaces `select` only (moe/random_router.py).
+(`RouterConfig.of`; a new router setting is one field there, named as in MoEConfig). Scores are
+softmax (OLMoE) or sigmoid over all experts, in fp32. `select` picks each token's experts: the
+top-k of the scores plus an optional per-expert bias (aux-loss-free balancing: it moves the
+selection, never the weights), among the experts of each token's best groups under group-limited
+routing (moe/group_limit.py); weights are the scores at the selected experts, optionally
+renormalized. A variant replaces `select` only (moe/random_router.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from moetrain.config import MoEConfig
 from moetrain.kernels.topk import route_topk
 from moetrain.moe import balance
+from moetrain.moe.group_limit import group_limited_scores
 
 
 @dataclass
@@ -39,6 +42,8 @@ class RouterConfig:
     top_k: int
     score_func: str = "softmax"  # softmax or sigmoid
     renormalize: bool = False  # the top-k weights renormalized to sum to one
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups (1: off)
+    topk_groups: int = 1  # ... each token's experts from its topk_groups best groups
     balancing_bias: bool = False  # aux-loss-free balancing: moe.bias_update_rate > 0
 
     @classmethod
@@ -87,6 +92,9 @@ class TopKRouter(nn.Module):
         the detached scores."""
         if self.expert_bias_E is not None:
             scores_TE = scores_TE + self.expert_bias_E
+        c = self.config
+        if c.topk_groups < c.n_groups:  # group-limited routing, after the bias (selection only)
+            scores_TE = group_limited_scores(scores_TE, c.n_groups, c.topk_groups)
         return route_topk(scores_TE, self.top_k)
 
     def reset_buffers(self) -> None:

@@ -1,13 +1,18 @@
 """Causal self-attention: multi-head or grouped-query, optional qk-norm, RoPE, SDPA.
 
 Shapes: B batch, S sequence, D d_model, N query heads, G key/value heads, H head dim.
-qk-norm (OLMoE) is an RMSNorm over the full q and k projections, before the heads are split.
+qk-norm "full" (OLMoE) is an RMSNorm over the full q and k projections, before the heads are
+split; "per_head" (Qwen3) an RMSNorm over each head's H features, one H-wide weight for all heads
+of q and one for k; both before RoPE, with the parameter names q_norm.weight, k_norm.weight.
 q, k and v come from one GEMM against the three projection weights, which stay three parameters
 (as in Hugging Face checkpoints) and are concatenated in forward and backward (`gemm.stacked`,
 nn/linear.py) rather than kept concatenated (a D x C copy per layer and micro-batch in flight).
-The projections run on `gemm`, the backend the precision plan installs (bf16 by default). On CUDA with
-Triton, qk-norm and RoPE run fused (kernels/qk_norm_rope_triton.py, fp32 math rounded once);
-the torch path rounds between norm and RoPE. `qk_norm_rope_reference` is the fused op's twin.
+The projections run on `gemm`, the backend the precision plan installs (bf16 by default). On
+CUDA with Triton, full qk-norm and RoPE run fused (kernels/qk_norm_rope_triton.py, fp32 math
+rounded once); the torch path rounds between norm and RoPE. `qk_norm_rope_reference` is the fused
+op's twin. Per-head qk-norm takes the torch path (compiled with the block on GPU): the kernel
+reduces over whole rows, and a per-head reduction would be another kernel, measured against its
+twin.
 SDPA runs flash or cuDNN on GPU (the backend can be pinned). Given a `DocumentMask`
 (nn/document_mask.py), attention stays within each document and RoPE takes its positions.
 """
@@ -70,7 +75,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         *,
-        qk_norm: bool = True,
+        qk_norm: str = "full",
         norm_eps: float = 1e-5,
         rope_theta: float = 10_000.0,
         max_positions: int = 0,
@@ -83,8 +88,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=False)
-        self.q_norm = RMSNorm(num_heads * head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps) if qk_norm else None
+        if qk_norm not in ("none", "full", "per_head"):
+            raise ValueError(f"qk_norm ({qk_norm!r}) must be none, full or per_head")
+        self.qk_norm = qk_norm
+        per_head = qk_norm == "per_head"  # one head_dim-wide weight shared by the heads
+        q_width = head_dim if per_head else num_heads * head_dim
+        k_width = head_dim if per_head else num_kv_heads * head_dim
+        self.q_norm = RMSNorm(q_width, norm_eps) if qk_norm != "none" else None
+        self.k_norm = RMSNorm(k_width, norm_eps) if qk_norm != "none" else None
         self.rope = RotaryEmbedding(head_dim, rope_theta, max_positions)
         self.gemm: LinearGemm = BF16Linear()  # the projections' GEMM (precision.linear)
 
@@ -117,7 +128,7 @@ class Attention(nn.Module):
         H, rope = self.head_dim, self.rope
         kv_width = self.num_kv_heads * H
         fused = (
-            self.q_norm is not None
+            self.qk_norm == "full"  # the kernel's norm spans the row (module docstring)
             and qkv_BSC.is_cuda
             and qk_norm_rope_triton.supports(qkv_BSC, rope.cos_SH, kv_width)
         )
@@ -128,10 +139,13 @@ class Attention(nn.Module):
             )  # fmt: skip
         else:
             q_BSD, k_BSD, v_BSD = qkv_BSC.split([self.num_heads * H, kv_width, kv_width], -1)
-            if self.q_norm is not None:
+            if self.qk_norm == "full":
                 q_BSD, k_BSD = self.q_norm(q_BSD), self.k_norm(k_BSD)
-        q_BNSH = q_BSD.view(B, S, self.num_heads, H).transpose(1, 2)
-        k_BGSH = k_BSD.view(B, S, self.num_kv_heads, H).transpose(1, 2)
+        q_BSNH = q_BSD.view(B, S, self.num_heads, H)
+        k_BSGH = k_BSD.view(B, S, self.num_kv_heads, H)
+        if self.qk_norm == "per_head":
+            q_BSNH, k_BSGH = self.q_norm(q_BSNH), self.k_norm(k_BSGH)
+        q_BNSH, k_BGSH = q_BSNH.transpose(1, 2), k_BSGH.transpose(1, 2)
         v_BGSH = v_BSD.view(B, S, self.num_kv_heads, H).transpose(1, 2)
         if fused:
             return q_BNSH, k_BGSH, v_BGSH

@@ -215,9 +215,10 @@ class Pipeline:
             scale_grads=False,
         )
         self._score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        num_dense = config.model.num_dense_layers
+        m = config.model  # a MoE layer's position among the model's MoE layers
+        moe_layers = [i for i in range(m.num_layers) if not m.is_dense(i)]
         self._moe_positions = [
-            int(key) - num_dense
+            moe_layers.index(int(key))
             for key, block in model.blocks.items()
             if isinstance(block.ffn, MoELayer)
         ]
@@ -292,7 +293,7 @@ class Pipeline:
         MoE layer of the model, in model order, on every rank: one all-reduce over pp (each
         layer lives on one stage)."""
         num_experts = self.config.moe.num_experts
-        num_moe = self.config.model.num_layers - self.config.model.num_dense_layers
+        num_moe = self.config.model.num_layers - self.config.model.num_dense
         scalars = ("lb_loss", "z_loss", "entropy", "max_mean_peak", "dropped")
         width = num_experts + len(scalars) + 1  # the last column flags "dropped" present
         rows = torch.zeros(num_moe, width, dtype=torch.float64, device=self.dims.device)

@@ -152,9 +152,9 @@ def _linear(config: RunConfig, device: torch.device) -> LinearGemm:
         "num_heads * head_dim": m.num_heads * m.dim_per_head,
         "num_kv_heads * head_dim": m.kv_heads * m.dim_per_head,
     }
-    if m.num_dense_layers:
+    if m.num_dense:
         widths["model.dense_hidden"] = m.dense_hidden_size
-    if moe.num_shared_experts and m.num_dense_layers < m.num_layers:
+    if moe.num_shared_experts and m.num_dense < m.num_layers:
         widths["moe.expert_hidden * moe.num_shared_experts"] = (
             moe.expert_hidden * moe.num_shared_experts
         )
@@ -227,7 +227,7 @@ def resolve_grad_dtype(
 
 def cuda_graph_blocker(config: RunConfig) -> str | None:
     """Why the precision keeps the step from being one CUDA graph, or None."""
-    if config.precision.param_dtype == "fp32" and config.model.num_dense_layers < (
+    if config.precision.param_dtype == "fp32" and config.model.num_dense < (
         config.model.num_layers
     ):
         return (

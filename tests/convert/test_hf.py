@@ -21,8 +21,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from moetrain.checkpoint import manager  # noqa: E402
 from moetrain.cli import main  # noqa: E402
 from moetrain.config import RunConfig  # noqa: E402
-from moetrain.config.fields import Only, rules_of, unexportable  # noqa: E402
-from moetrain.config.presets import tiny  # noqa: E402
+from moetrain.config.fields import FORMATS, Only, rules_of, unexportable  # noqa: E402
+from moetrain.config.presets import get_preset, tiny  # noqa: E402
 from moetrain.model.transformer import build_model  # noqa: E402
 from moetrain.tools.convert import hf  # noqa: E402
 from moetrain.tools.convert.cli import add_convert_parsers, parse_size  # noqa: E402
@@ -191,7 +191,7 @@ def test_bf16_checkpoint_keeps_its_dtype_unless_cast(tmp_path):
         ("moe.score_func=sigmoid", "moe.score_func ('sigmoid'): only 'softmax'"),
         ("moe.routing=random", "moe.routing ('random'): only 'learned'"),
         ("moe.bias_update_rate=0.001", "moe.bias_update_rate (0.001): only 0.0"),
-        ("model.qk_norm=false", "model.qk_norm (False): only True"),
+        ("model.qk_norm=none", "model.qk_norm ('none'): only 'full'"),
         ("model.head_dim=32", "model.head_dim (32): head_dim x num_heads must equal model.d_model"),
     ],
 )
@@ -207,6 +207,8 @@ def _other_values(value):
     """Candidates for a value besides `value`, smaller first (a None stands for an unset size)."""
     if isinstance(value, bool):
         return [not value]
+    if isinstance(value, tuple):  # model.dense_layers
+        return [[1]] if not value else [[]]
     if value is None:
         return [1, 2, 16]
     if isinstance(value, int):
@@ -216,48 +218,81 @@ def _other_values(value):
     return []
 
 
-def test_every_value_a_field_declares_expressible_exports_with_equal_logits():
-    """Each model and MoE field whose `olmoe` rule holds more than one value gets another value
-    (all in one tiny model); mapped into OlmoeForCausalLM, the model gives the same logits. A
-    declaration that claims more than the converter maps (a new routing option marked
-    olmoe=ANY) fails here."""
-    config, changed, holding_more = tiny(), [], set()
+# each export format: its tiny preset, its transformers config and model classes
+FORMAT_CASES = {
+    "olmoe": ("tiny", "OlmoeConfig", "OlmoeForCausalLM"),
+    "qwen3_moe": ("qwen3-moe-tiny", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("mixtral-tiny", "MixtralConfig", "MixtralForCausalLM"),
+}
+
+
+def _varied(base, format_name):
+    """(configs, changed, holding_more): each model and MoE field whose rule for the format holds
+    more than one value set to another value the format holds, all in the first config where
+    the values combine, else alone on `base` in a config of its own (model.dense_layers cannot
+    join model.num_dense_layers)."""
+    configs, changed, holding_more = [base], [], set()
     for section in ("model", "moe"):
-        section_type = type(getattr(config, section))
+        section_type = type(getattr(base, section))
         for f in dataclasses.fields(section_type):
             exports = rules_of(section_type, f.name).exports
             if exports is None:
                 continue  # no exported model depends on it
             key = f"{section}.{f.name}"
-            if not isinstance(exports.get("olmoe"), Only):
+            if not isinstance(exports.get(format_name), Only):
                 holding_more.add(key)
-            for value in _other_values(getattr(getattr(config, section), f.name)):
-                try:
-                    candidate = config.with_overrides([f"{key}={json.dumps(value)}"])
-                except ValueError:
-                    continue
-                if not unexportable(candidate, "olmoe"):
-                    config = candidate
+            for start in (configs[0], base):
+                candidate = _another_exportable_value(start, key, format_name)
+                if candidate is not None:
+                    if start is configs[0]:
+                        configs[0] = candidate
+                    else:
+                        configs.append(candidate)
                     changed.append(key)
                     break
-    assert set(changed) == holding_more
+    return configs, changed, holding_more
 
-    model = random_model(config, seed=4)
-    hf_config = transformers.OlmoeConfig.from_dict(hf.hf_config_dict(config))
-    hf_config._attn_implementation = "eager"
-    hf_model = transformers.OlmoeForCausalLM(hf_config).eval()
-    fused = "model.layers.0.mlp.experts.gate_up_proj" in hf_model.state_dict()
-    mapped = hf.to_hf_state_dict(
-        model.state_dict(), config, expert_layout="fused" if fused else "per_expert"
-    )
-    missing, unexpected = hf_model.load_state_dict(mapped, strict=False)
-    assert missing == (["lm_head.weight"] if config.model.tie_embeddings else [])
-    assert not unexpected
-    vocab_size = config.model.vocab_size
-    tokens = torch.randint(0, vocab_size, (2, 23), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        difference = (model.logits(model(tokens)) - hf_model(tokens).logits).abs().max()
-    assert difference.item() < 1e-4, config
+
+def _another_exportable_value(config, key, format_name):
+    section, name = key.split(".")
+    for value in _other_values(getattr(getattr(config, section), name)):
+        try:
+            candidate = config.with_overrides([f"{key}={json.dumps(value)}"])
+        except ValueError:
+            continue
+        if not unexportable(candidate, format_name):
+            return candidate
+    return None
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+def test_every_value_a_field_declares_expressible_exports_with_equal_logits(format_name):
+    """Each model and MoE field whose rule for the format holds more than one value gets another
+    value (in one tiny model of the family where they combine); mapped into the transformers
+    model, each model gives the same logits. A declaration that claims more than the converter
+    maps (a new routing option marked qwen3_moe=ANY) fails here."""
+    preset, config_class, model_class = FORMAT_CASES[format_name]
+    configs, changed, holding_more = _varied(get_preset(preset), format_name)
+    assert set(changed) == holding_more
+    for config in configs:
+        model = random_model(config, seed=4)
+        hf_config = getattr(transformers, config_class).from_dict(
+            hf.hf_config_dict(config, format=format_name)
+        )
+        hf_config._attn_implementation = "eager"
+        hf_model = getattr(transformers, model_class)(hf_config).eval()
+        fused = "model.layers.0.mlp.experts.gate_up_proj" in hf_model.state_dict()
+        mapped = hf.to_hf_state_dict(
+            model.state_dict(), config, expert_layout="fused" if fused else "per_expert"
+        )
+        missing, unexpected = hf_model.load_state_dict(mapped, strict=False)
+        assert missing == (["lm_head.weight"] if config.model.tie_embeddings else [])
+        assert not unexpected
+        vocab_size = config.model.vocab_size
+        tokens = torch.randint(0, vocab_size, (2, 23), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            difference = (model.logits(model(tokens)) - hf_model(tokens).logits).abs().max()
+        assert difference.item() < 1e-4, config
 
 
 def test_export_refuses_inexpressible_checkpoint_and_used_output_dir(tmp_path):

@@ -56,3 +56,48 @@ def test_export_of_an_ep2_checkpoint(tmp_path):
         model.state_dict().items(), again.state_dict().items(), strict=True
     ):
         assert torch.equal(p, q), name
+
+
+def _continue_from_import(rank, world, imported, run_dir, cache):
+    """A Qwen3-MoE import trained on at ep=2: at start each rank holds its experts of the import."""
+    os.environ["MOETRAIN_CACHE"] = cache
+    from moetrain.checkpoint.trained_model import load_model
+    from moetrain.train.trainer import Trainer
+
+    _, config = load_model(imported)
+    config = config.with_overrides([*OVERRIDES, "parallel.ep=2", "train.optimizer=sharded"])
+    trainer = Trainer(config, run_dir, progress=False, init_from=imported)
+    reference, _ = load_model(imported)
+    local = trainer.model.blocks["0"].ffn.experts.w_up_eD2F
+    experts = config.moe.num_experts // 2
+    assert torch.equal(
+        local, reference.blocks["0"].ffn.experts.w_up_eD2F[rank * experts : (rank + 1) * experts]
+    )
+    trainer.train()
+
+
+def test_continued_pretraining_from_a_qwen3_import_at_ep2(tmp_path):
+    """`moetrain import` of a transformers Qwen3-MoE model, then a new run at world 2 (ep=2,
+    sharded optimizer) initialized from it; its checkpoint exports back to Qwen3MoeForCausalLM
+    and differs from the import (it trained)."""
+    hf_config = transformers.Qwen3MoeConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+    imported = import_hf(tmp_path / "hf", tmp_path / "imported")
+    run = tmp_path / "cpt"
+    run_distributed(_continue_from_import, 2, imported, str(run), str(tmp_path / "cache"))
+
+    from moetrain.checkpoint.trained_model import load_model
+
+    trained, _ = load_model(run / "checkpoints" / "step-2")
+    start, _ = load_model(imported)
+    assert not torch.equal(trained.embed.weight, start.embed.weight)
+    out = export_checkpoint(run / "checkpoints" / "step-2", tmp_path / "exported")
+    hf_model = transformers.Qwen3MoeForCausalLM.from_pretrained(out, attn_implementation="eager")
+    tokens = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (trained.logits(trained(tokens)) - hf_model(tokens).logits).abs().max() < 1e-5

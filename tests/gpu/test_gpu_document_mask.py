@@ -49,11 +49,13 @@ def test_flex_path_matches_the_dense_reference_in_bf16(B, N, G, S, H, rate):
         assert flex_err <= max(2 * sdpa_err, 2**-7 * scale), (name, flex_err, sdpa_err, scale)
 
 
-@pytest.mark.parametrize("qk_norm", [True, False], ids=["fused", "torch"])
+@pytest.mark.parametrize(
+    "qk_norm", ["full", "per_head", "none"], ids=["fused", "per_head-torch", "torch"]
+)
 def test_compiled_attention_layer_with_documents_matches_eager_dense(qk_norm):
     """An attention layer of `small`'s shape (GQA here) compiled as a block is, with positions
     reset: FlexAttention inlined, the fused qk-norm+RoPE kernel at given positions (or the torch
-    path, whose v is a view of the projection); against the same layer eager with the dense
+    path, whose v is a view of the projection: per-head qk-norm, or none); against the same layer eager with the dense
     mask, in fp32: outputs and the gradients of the input and every weight."""
     from moetrain.nn.attention import Attention
 

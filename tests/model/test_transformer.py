@@ -1,8 +1,10 @@
+import pytest
 import torch
 
 from moetrain.config.presets import small, tiny
 from moetrain.model.flops import flops_per_token, param_counts
 from moetrain.model.transformer import Transformer, build_model
+from moetrain.nn.mlp import SwiGLU
 
 
 def test_small_counts_equal_reference_numbers():
@@ -12,13 +14,26 @@ def test_small_counts_equal_reference_numbers():
     assert flops_per_token(small()) == 1_218_385_920
 
 
-def test_counts_match_built_model():
-    cfg = tiny().with_overrides(
-        ["model.num_dense_layers=1", "moe.num_shared_experts=1", "model.num_kv_heads=2"]
-    )
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.num_dense_layers=1", "moe.num_shared_experts=1", "model.num_kv_heads=2"],
+        # dense layers between MoE ones; per-head q/k norms (Qwen3), none (Mixtral)
+        ["model.num_layers=4", "model.dense_layers=[1, 2]", "model.qk_norm=per_head"],
+        ["model.qk_norm=none", "model.head_dim=24", "model.num_kv_heads=1"],
+    ],
+)
+def test_counts_match_built_model(overrides):
+    cfg = tiny().with_overrides(overrides)
     with torch.device("meta"):
         model = Transformer(cfg)
     assert sum(p.numel() for p in model.parameters()) == param_counts(cfg).total
+    dense = [i for i, block in model.blocks.items() if isinstance(block.ffn, SwiGLU)]
+    assert dense == [str(i) for i in range(cfg.model.num_layers) if cfg.model.is_dense(i)]
+    experts = sum(p.numel() for n, p in model.named_parameters() if "experts.w_" in n)
+    # active: every parameter but the unused experts and the input embedding (untied)
+    unused = experts * (1 - cfg.moe.top_k / cfg.moe.num_experts)
+    assert param_counts(cfg).active == param_counts(cfg).total - unused - model.embed.weight.numel()
 
 
 def test_tiny_forward_backward_and_loss_goes_down():

@@ -117,7 +117,7 @@ def test_compiled_attention_with_block_sparse_documents_matches_the_dense_refere
     FlexAttention misread before `_own_rows`."""
     torch.manual_seed(0)
     B, S = 2, 200
-    attn = Attention(64, 4, 2, 16, qk_norm=False, max_positions=S)
+    attn = Attention(64, 4, 2, 16, qk_norm="none", max_positions=S)
     compiled = torch.compile(attn)
     for seed, rate in ((0, 0.02), (1, 0.1)):
         tokens = packed_tokens(B, S, rate, seed=seed)

@@ -91,11 +91,24 @@ def test_rope_tables_match_fresh_computation_and_survive_meta_build():
                 assert torch.equal(g, w)
 
 
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
+
+
+def _per_head(t, weight, eps, head_dim):
+    """Each head's head_dim features normed on their own, one head at a time."""
+    heads = t.split(head_dim, dim=-1)
+    return torch.cat([_rms(h, weight, eps) for h in heads], dim=-1)
+
+
 def _manual_attention(attn: Attention, x):
     B, S, _ = x.shape
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    eps, H = 1e-5, attn.head_dim
+    if attn.qk_norm == "full":
+        q, k = _rms(q, attn.q_norm.weight, eps), _rms(k, attn.k_norm.weight, eps)
+    elif attn.qk_norm == "per_head":
+        q, k = _per_head(q, attn.q_norm.weight, eps, H), _per_head(k, attn.k_norm.weight, eps, H)
     q = q.view(B, S, attn.num_heads, attn.head_dim).transpose(1, 2)
     k = k.view(B, S, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
     v = v.view(B, S, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
@@ -110,9 +123,19 @@ def _manual_attention(attn: Attention, x):
 
 
 def test_attention_gqa_and_qk_norm_against_manual():
+    """Each qk-norm (full: over the projection; per_head: over each head, one weight for all
+    heads; none) with MHA and GQA, random norm weights, against the loop formula (float64)."""
     torch.manual_seed(0)
-    for kv_heads, qk_norm in [(4, True), (2, False), (1, True)]:
-        attn = Attention(32, 4, kv_heads, 8, qk_norm=qk_norm).double()
+    for kv_heads, qk_norm, head_dim in [
+        (4, "full", 8), (2, "none", 8), (1, "full", 8), (4, "per_head", 8), (2, "per_head", 12),
+    ]:  # fmt: skip
+        attn = Attention(32, 4, kv_heads, head_dim, qk_norm=qk_norm).double()
+        norms = [attn.q_norm, attn.k_norm] if qk_norm != "none" else []
+        with torch.no_grad():
+            for norm in norms:
+                norm.weight.uniform_(0.5, 1.5)
+        if qk_norm == "per_head":  # one head's width, for q and k alike
+            assert [n.weight.shape for n in norms] == [(head_dim,), (head_dim,)]
         x = torch.randn(2, 7, 32, dtype=torch.float64)
         torch.testing.assert_close(attn(x), _manual_attention(attn, x))
 

@@ -53,11 +53,14 @@ EOS = 5  # the "documents" option: document masking with reset positions, EOS at
 
 def tiny_config(pp: int, dp: int, ep: int, schedule: str, **options) -> RunConfig:
     documents = options.pop("documents", False)
+    dense_layers = options.pop("dense_layers", ())
     parallel = {k: v for k, v in options.items() if k not in MOE_OPTIONS}
     data = DataConfig(document_masking=True, reset_positions=True, eos_id=EOS) if documents else DataConfig()  # fmt: skip
     return RunConfig(
         data=data,
-        model=ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=LAYERS, num_heads=4),
+        model=ModelConfig(
+            vocab_size=VOCAB, d_model=32, num_layers=LAYERS, num_heads=4, dense_layers=dense_layers
+        ),
         moe=MoEConfig(
             num_experts=8,
             top_k=2,
@@ -150,6 +153,14 @@ def run_case(config: RunConfig) -> None:
     sizes = [(is_expert_param(n), p.numel()) for n, p in reference.named_parameters()]
     dense, expert = (sum(n for e, n in sizes if e == kind) for kind in (False, True))
     assert held.item() == dense * dp + expert * dp // dims.ep
+    # Every rank gets every MoE layer's routes, in model order (dense layers anywhere between):
+    # at dp 1 the reference's, which saw the same tokens.
+    gathered = pipeline.gather_moe_stats([layer.read_stats() for layer in model.moe_layers()])
+    if dp == 1:
+        expected_routes = [layer.read_stats()["tokens_per_expert"] for layer in reference.moe_layers()]  # fmt: skip
+        assert [g["tokens_per_expert"].tolist() for g in gathered] == [
+            r.tolist() for r in expected_routes
+        ]
 
 
 def _run_cases(rank, world_size, cases):
@@ -167,10 +178,12 @@ def test_pp2_matches_single_process():
     """Every schedule at pp=2 (world 2), and 1f1b with activation checkpointing; with random
     routing too, where a recompute runs several micro-batches after its forward and must draw
     that forward's experts. With document masking (interleaved: two stages a rank), where
-    every stage derives the documents from the token ids it is handed."""
+    every stage derives the documents from the token ids it is handed. With a dense layer between
+    MoE layers, whose routing statistics every rank gathers in model order."""
     cases = [(2, 1, 1, s, {}) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")]
     cases.append((2, 1, 1, "interleaved_1f1b", {"documents": True}))
     cases.append((2, 1, 1, "1f1b", {"activation_checkpointing": "full"}))
+    cases.append((2, 1, 1, "1f1b", {"dense_layers": (1,)}))  # stage 0: MoE, dense; 1: MoE, MoE
     cases.append((2, 1, 1, "1f1b", {"activation_checkpointing": "moe", "routing": "random"}))
     run_distributed(_run_cases, 2, cases)
 

@@ -7,6 +7,10 @@ code). User errors are `ValueError`s, left for the top-level CLI to print.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from moetrain.config.fields import FORMATS
 
 _SIZE_UNITS = {
     "": 1,
@@ -23,9 +27,11 @@ _SIZE_UNITS = {
 def add_convert_parsers(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser(
         "export",
-        help="write a checkpoint as a Hugging Face OlmoeForCausalLM directory",
+        help="write a checkpoint as a Hugging Face OLMoE, Qwen3-MoE or Mixtral directory",
         description="Write config.json, safetensors weights and the tokenizer files of a moetrain "
-        "checkpoint, loadable with transformers' OlmoeForCausalLM.from_pretrained.",
+        "checkpoint, loadable with transformers' from_pretrained (OlmoeForCausalLM, "
+        "Qwen3MoeForCausalLM or MixtralForCausalLM: the family that expresses the model; a "
+        "setting no family expresses is an error naming it).",
     )
     export.add_argument(
         "--checkpoint",
@@ -55,14 +61,22 @@ def add_convert_parsers(subparsers: argparse._SubParsersAction) -> None:
         "model's vocab_size is its size rounded up to a multiple of 64, or it is the run's "
         "tokenizer",
     )
+    export.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="the Hugging Face family to write (default: the one that expresses the model; its "
+        "q/k norm tells them apart: full olmoe, per_head qwen3_moe, none mixtral)",
+    )
     export.set_defaults(func=run_export)
 
     imp = subparsers.add_parser(
         "import",
-        help="turn a Hugging Face OLMoE directory into a moetrain checkpoint",
-        description="Write a step-0, weights-only moetrain checkpoint of an OlmoeForCausalLM "
-        "directory (config.json + safetensors) under OUT/checkpoints/; start training from it "
-        "with --init-from OUT.",
+        help="turn a Hugging Face OLMoE, Qwen3-MoE or Mixtral directory into a moetrain checkpoint",
+        description="Write a step-0, weights-only moetrain checkpoint of an OlmoeForCausalLM, "
+        "Qwen3MoeForCausalLM or MixtralForCausalLM directory (config.json + safetensors) under "
+        "OUT/checkpoints/, its config as OUT/config.yaml and its tokenizer under OUT/tokenizer/; "
+        "train from it with moetrain train OUT/config.yaml --init-from OUT --run-dir NEW.",
     )
     imp.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and safetensors")
     imp.add_argument("--out", required=True, metavar="DIR", help="output run directory")
@@ -96,8 +110,10 @@ def run_export(args: argparse.Namespace) -> int:
         args.max_shard_size,
         dtype=args.dtype,
         tokenizer=args.tokenizer,
+        format=args.format,
     )
-    print(f"exported {args.checkpoint} to {out} (load with OlmoeForCausalLM.from_pretrained)")
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"exported {args.checkpoint} to {out} (load with {architecture}.from_pretrained)")
     return 0
 
 
@@ -106,7 +122,7 @@ def run_import(args: argparse.Namespace) -> int:
 
     checkpoint = import_hf(args.hf_dir, args.out, name=args.name)
     print(
-        f"imported {args.hf_dir} as {checkpoint}; its config is {checkpoint / 'config.yaml'}; "
-        f"train from it with --init-from {args.out}"
+        f"imported {args.hf_dir} as {checkpoint}; train from it with: moetrain train "
+        f"{Path(args.out) / 'config.yaml'} --init-from {args.out} --run-dir NEW_RUN"
     )
     return 0

@@ -1,11 +1,13 @@
-"""Files: a moetrain checkpoint <-> a Hugging Face OLMoE directory.
+"""Files: a moetrain checkpoint <-> a Hugging Face OLMoE, Qwen3-MoE or Mixtral directory.
 
 `export_checkpoint` reads a checkpoint's "model" part with DCP into world-size-1 tensors (any
-saved layout), maps it with `hf.to_hf_state_dict` and writes config.json,
+saved layout), maps it with `hf.to_hf_state_dict` (to the one format that expresses the model,
+or the one asked for) and writes config.json,
 generation_config.json, safetensors (sharded with an index above `max_shard_bytes`) and the
 checkpoint's tokenizer files, built in a sibling `.tmp` directory and renamed into place.
 `import_hf` writes a step-0 checkpoint of the "model" part only, which `load_model_weights`
-loads into a fresh model (`--init-from`). Nothing is unpickled: weights come from safetensors,
+loads into a fresh model (`--init-from`), and the run's config.yaml beside it, as a run
+directory has. Nothing is unpickled: weights come from safetensors,
 DCP metadata through checkpoint/manager.py's restricted unpickler. `safetensors` and
 `tokenizers` are optional (`moetrain[hf]`); their absence is a ValueError saying so.
 """
@@ -31,7 +33,7 @@ from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.transformer import Transformer
 from moetrain.tools.convert.hf import (
-    check_expressible,
+    export_format,
     from_hf_state_dict,
     hf_config_dict,
     name_mismatch,
@@ -84,23 +86,25 @@ def export_checkpoint(
     *,
     dtype: str | None = None,
     tokenizer: str | None = None,
+    format: str | None = None,
 ) -> Path:
-    """Write an OlmoeForCausalLM directory for a moetrain checkpoint (a step-N/ directory, a run
-    directory or a checkpoints root); returns `out_dir`. `dtype` casts the weights (None: the
-    stored dtype, bit-exact). `tokenizer`: a tokenizer.json (or its directory) to ship instead of
-    the checkpoint's."""
+    """Write a Hugging Face directory for a moetrain checkpoint (a step-N/ directory, a run
+    directory or a checkpoints root) in `format` (olmoe, qwen3_moe, mixtral; None: the one that
+    expresses the model, `hf.export_format`); returns `out_dir`. `dtype` casts the weights (None:
+    the stored dtype, bit-exact). `tokenizer`: a tokenizer.json (or its directory) to ship
+    instead of the checkpoint's."""
     save_file = _safetensors().save_file
     path = manager.resolve(checkpoint_dir, check_hashes=False)
     out = _fresh_output_dir(out_dir)
     manager.verify(path)
     config = RunConfig.load_yaml(path / "config.yaml")
-    check_expressible(config)
+    fmt = export_format(config, format)
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype ({dtype!r}) must be one of {', '.join(_DTYPES)} or None")
     tokenizer_files, eos_token_id = _export_tokenizer(path, tokenizer, config)
 
     model_sd = _read_model_state(path, config)
-    hf_sd = to_hf_state_dict(model_sd, config)
+    hf_sd = to_hf_state_dict(model_sd, config, format=fmt.name)
     cast = _DTYPES[dtype] if dtype is not None else None
     stored_dtype = model_sd["embed.weight"].dtype
 
@@ -110,7 +114,7 @@ def export_checkpoint(
     tmp.mkdir(parents=True)
     _write_safetensors(hf_sd, tmp, max_shard_bytes, cast, save_file)
     dtype_name = str(cast or stored_dtype).removeprefix("torch.")
-    hf_config = hf_config_dict(config, dtype=dtype_name, eos_token_id=eos_token_id)
+    hf_config = hf_config_dict(config, format=fmt.name, dtype=dtype_name, eos_token_id=eos_token_id)
     _write_json(tmp / "config.json", hf_config)
     eos = hf_config["eos_token_id"]
     generation = {"eos_token_id": eos} if eos is not None else {}
@@ -247,9 +251,11 @@ def _tokenizer_json(tokenizer: ByteTokenizer | HFTokenizer) -> Any:
 
 # ---- import ------------------------------------------------------------------------------------
 def import_hf(hf_dir: str | Path, out_dir: str | Path, *, name: str | None = None) -> Path:
-    """Write a step-0 moetrain checkpoint (weights only) of an OlmoeForCausalLM directory under
-    `out_dir/checkpoints/`; returns the checkpoint path. Tokenizer files, if any, are copied to
-    `out_dir/tokenizer/` and the checkpoint's config points `data.tokenizer` at them."""
+    """Write a step-0 moetrain checkpoint (weights only) of an OlmoeForCausalLM,
+    Qwen3MoeForCausalLM or MixtralForCausalLM directory (by config.json's model_type) under
+    `out_dir/checkpoints/`, and its config as `out_dir/config.yaml`; returns the checkpoint path.
+    Tokenizer files, if any, are copied to `out_dir/tokenizer/` and the config points
+    `data.tokenizer` at them."""
     load_file = _safetensors().load_file
     hf_dir, out = Path(hf_dir), Path(out_dir)
     config_path = hf_dir / "config.json"
@@ -287,14 +293,17 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, name: str | None = Non
         except ValueError:  # no `tokenizers` package, or no EOS token: the copy above remains
             pass
 
-    return manager.save(
+    config_yaml = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    checkpoint = manager.save(
         root,
         step=0,
         tensor_state={"model": model_sd},
         trainer_state=trainer_state,
-        config_yaml=yaml.safe_dump(config.to_dict(), sort_keys=False),
+        config_yaml=config_yaml,
         extra_files=carried,
     )
+    (out / "config.yaml").write_text(config_yaml)  # to train from: moetrain train OUT/config.yaml
+    return checkpoint
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:

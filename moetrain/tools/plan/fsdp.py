@@ -47,8 +47,10 @@ def _shards(config: RunConfig, num_gpus: int, shard: int | None) -> tuple[int, i
     n = shard or num_gpus
     if num_gpus % n:
         raise ValueError(f"the FSDP shard group ({n}) must divide the number of GPUs ({num_gpus})")
-    if config.model.num_dense_layers:
-        raise ValueError("the FSDP2 model counts MoE blocks only (model.num_dense_layers 0)")
+    if config.model.num_dense:
+        raise ValueError(
+            "the FSDP2 model counts MoE blocks only (model.num_dense_layers 0, no dense_layers)"
+        )
     return n, num_gpus // n
 
 

@@ -128,7 +128,7 @@ class Layout:
 def stage_layers(config: RunConfig, pp: int, stage: int) -> tuple[range, int, int]:
     """(layer range, number of dense-MLP layers, number of MoE layers) of a stage."""
     layers = stage_layer_ranges(config.model.num_layers, pp)[stage]
-    num_dense = sum(i < config.model.num_dense_layers for i in layers)
+    num_dense = sum(config.model.is_dense(i) for i in layers)
     return layers, num_dense, len(layers) - num_dense
 
 

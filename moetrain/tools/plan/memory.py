@@ -35,7 +35,7 @@ class LayerParams:
     """Per-layer and outside-layer parameter counts, derived from `flops.param_counts`."""
 
     moe_layer: ParamCounts  # one MoE block: attention, norms, router, shared and routed experts
-    dense_layer: ParamCounts  # one dense-MLP block (meaningful only if num_dense_layers > 0)
+    dense_layer: ParamCounts  # one dense-MLP block (meaningful only where the model has one)
     outside: ParamCounts  # embedding, final norm, LM head
     flops_per_token_layer: int  # one MoE block, forward + backward, at train.seq_len
     attention_flops_per_token_layer: int  # the S^2 part of it (attention scores and values)
@@ -43,7 +43,9 @@ class LayerParams:
 
 def _with_layers(config: RunConfig, num_layers: int, num_dense: int) -> RunConfig:
     """The same blocks, `num_layers` of them (the first `num_dense` dense), on one device."""
-    model = dataclasses.replace(config.model, num_layers=num_layers, num_dense_layers=num_dense)
+    model = dataclasses.replace(
+        config.model, num_layers=num_layers, num_dense_layers=num_dense, dense_layers=()
+    )
     train = dataclasses.replace(config.train, global_batch_tokens=None)
     return dataclasses.replace(config, model=model, parallel=ParallelConfig(), train=train)
 
@@ -221,7 +223,9 @@ def block_activation_bytes(
     T, S, D = tokens, config.train.seq_len, m.d_model
     H, N = m.dim_per_head, m.num_heads
     q, kv = N * H, m.kv_heads * H
-    qk = m.qk_norm
+    G = m.kv_heads
+    # the fp32 reciprocal RMS of each normed row of q and k (the norms' input is the projection)
+    qk_rstd = {"none": 0, "full": 8 * T, "per_head": 4 * T * (N + G)}[m.qk_norm]
 
     def norm(width: int) -> int:
         return norm_activation_bytes(a, T, width)
@@ -229,7 +233,7 @@ def block_activation_bytes(
     attention = (
         norm(D)
         + a * T * (q + 2 * kv)  # the projection
-        + (8 * T if qk else 0)
+        + qk_rstd
         + a * T * (D + 2 * q + kv)
         + 4 * T * N
         + 2 * a * S * H

@@ -232,7 +232,7 @@ def dispatcher_s(
     exact-split dispatcher's host sync per MoE layer forward, recomputed ones included."""
     if variant.fsdp or layout.ep == 1:
         return 0.0, 0.0
-    num_moe = -(-(config.model.num_layers - config.model.num_dense_layers) // layout.pp)
+    num_moe = -(-(config.model.num_layers - config.model.num_dense) // layout.pp)
     redo = layout.activation_checkpointing != "none"
     tokens = layout.micro_batch_size * config.train.seq_len
     index = setting.index_work_s * tokens / max(measured_tokens, 1) * (1 + 0.5 * redo)
