@@ -17,6 +17,7 @@ from moetrain.checkpoint import manager
 from moetrain.cli import main
 from moetrain.config.presets import tiny
 from moetrain.moe.random_router import RandomRouter
+from moetrain.train.checkpointing import Checkpointer
 from moetrain.train.trainer import Trainer, TrainingStopped
 
 
@@ -229,14 +230,14 @@ def test_resume_is_bitwise_from_a_checkpoint_with_the_draws_in_the_trainer_state
     the count as trainer.json's routing_draws: resuming one reads it there, and stays bitwise."""
     common = ("train.steps=8", "train.checkpoint_every=4", "moe.routing=random")
     Trainer(_cfg(*common), tmp_path / "full", progress=False).train()
-    own_state = Trainer.trainer_state
+    own_state = Checkpointer.trainer_state
     with monkeypatch.context() as before:  # the checkpoint the code before wrote
         before.delattr(RandomRouter, "get_extra_state")
         before.setattr(
-            Trainer,
+            Checkpointer,
             "trainer_state",
-            lambda self: {
-                **own_state(self),
+            lambda self, step: {
+                **own_state(self, step),
                 "routing_draws": max(m.router.draws for m in self.model.moe_layers()),
             },
         )
