@@ -15,7 +15,8 @@ import torch
 
 from moetrain import cli
 from moetrain.config.presets import get_preset
-from moetrain.parallel.expert import _check_two_chunk_capacity, resolve_dispatcher
+from moetrain.parallel.expert import resolve_dispatcher
+from moetrain.parallel.overlap import check_two_chunk_capacity
 from moetrain.tools import fits
 from moetrain.tools import plan as P
 from moetrain.tools.dry_run import dry_run, layout_from_config
@@ -39,7 +40,7 @@ def _accepted_by_train(config) -> None:
     it resolves on GPUs, and two_chunk's capacity rule on that dispatcher."""
     dims = SimpleNamespace(ep=config.parallel.ep, device=torch.device("cuda"))
     if resolve_dispatcher(config, dims) == "no_sync" and config.moe.overlap == "two_chunk":
-        _check_two_chunk_capacity(config)
+        check_two_chunk_capacity(config)
 
 
 def test_the_2x8_h100_question_gets_one_ranking_and_a_command_whose_dry_run_prints_its_memory(

@@ -41,17 +41,17 @@ from moetrain.parallel.mesh import ParallelDims
 def apply_two_chunk(model: Transformer, config: RunConfig, dims: ParallelDims) -> None:
     """moe.overlap two_chunk: every MoE block's forward on two chunks (`two_chunk_forward`).
     Refuses the no_sync dispatcher at a capacity factor that drops routes
-    (`_check_capacity`)."""
+    (`check_two_chunk_capacity`)."""
     if config.moe.overlap != "two_chunk":
         return
     blocks = [b for b in model.blocks.values() if isinstance(b.ffn, MoELayer)]
     if blocks and resolve_dispatcher(config, dims) == "no_sync":
-        _check_capacity(config)
+        check_two_chunk_capacity(config)
     for block in blocks:
         block.forward = two_chunk_forward(block)
 
 
-def _check_capacity(config: RunConfig) -> None:
+def check_two_chunk_capacity(config: RunConfig) -> None:
     """Capacity mode decides each chunk's drops on the chunk's own capacity, half the
     micro-batch's, so the chunks would drop other routes than the whole micro-batch does, against
     the overlap's equivalence with moe.overlap none. Only a factor that drops nothing keeps it."""
