@@ -10,7 +10,7 @@ import torch
 from moetrain.config import MoEConfig
 from moetrain.moe.group_limit import group_limited_scores
 from moetrain.moe.layer import MoELayer
-from moetrain.moe.router import TopKRouter
+from moetrain.moe.router import RouterConfig, TopKRouter
 
 
 def loop_choice(selection_TE, n_groups, topk_groups, k):
@@ -48,10 +48,11 @@ def test_masked_scores_keep_the_best_groups_exactly(E, n_groups, topk_groups):
 def test_router_chooses_within_the_best_groups_and_bias_moves_only_the_choice(score_func):
     D, E, K, n_groups, topk_groups = 16, 16, 4, 4, 2
     torch.manual_seed(0)
-    router = TopKRouter(
-        D, E, K, score_func=score_func, renormalize=True, use_bias=True,
-        n_groups=n_groups, topk_groups=topk_groups,
-    )  # fmt: skip
+    common = dict(num_experts=E, top_k=K, score_func=score_func, renormalize=True)
+    grouped = RouterConfig(
+        **common, balancing_bias=True, n_groups=n_groups, topk_groups=topk_groups
+    )
+    router = TopKRouter(D, grouped)
     with torch.no_grad():
         router.gate.weight.mul_(20)  # decisive scores
         router.expert_bias_E.copy_(0.3 * torch.randn(E))
@@ -66,7 +67,7 @@ def test_router_chooses_within_the_best_groups_and_bias_moves_only_the_choice(sc
     counts = torch.bincount(r.expert_ids_TK.flatten(), minlength=E)
     assert torch.equal(r.tokens_per_expert_E, counts)
     # without the limit some token chooses outside its best groups, so the limit did something
-    ungrouped = TopKRouter(D, E, K, score_func=score_func, renormalize=True, use_bias=True)
+    ungrouped = TopKRouter(D, RouterConfig(**common, balancing_bias=True))
     ungrouped.load_state_dict(router.state_dict())
     assert not torch.equal(
         ungrouped(x).expert_ids_TK.sort(-1).values, r.expert_ids_TK.sort(-1).values
