@@ -164,6 +164,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         data=args.data,
         tasks=args.tasks,
         sequences=args.sequences,
+        per_item=args.per_item,
     )
     print(json.dumps(result))
     return 0
@@ -342,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sequences", type=int, help="sequences to score (default: train.eval_sequences)"
+    )
+    p.add_argument(
+        "--per-item",
+        metavar="FILE",
+        help="write each task item as a JSON line: its choices' log-likelihoods, the prediction, "
+        "the answer and whether it is correct",
     )
     p.add_argument("--device")
     p.set_defaults(func=cmd_eval)
