@@ -143,7 +143,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = trainer.train()
     except TrainingStopped as exc:  # raised on every rank: they still shut down together
-        print(f"error: {exc}", file=sys.stderr)
+        if trainer.is_main:
+            print(f"error: {exc}", file=sys.stderr)
     trainer.shutdown()
     if summary is None:
         return 1
@@ -393,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from moetrain.error_report import report_error
+
+        report_error(f"error: {exc}")
         return 2
     except KeyboardInterrupt:  # training stops on its own at Ctrl-C; this is everything else
         print(f"moetrain {args.command}: interrupted", file=sys.stderr)
