@@ -10,6 +10,7 @@ import io
 import json
 import re
 import shutil
+import sys
 
 import pytest
 import yaml
@@ -262,3 +263,25 @@ def test_eval_per_item_records_agree_with_the_task_scores(first_run, tmp_path, c
     assert sum(r["correct_norm"] for r in rows) / len(rows) == score["acc_norm"]
     assert main([*command[:5], "--per-item", str(out)]) == 2  # the run has no tasks
     assert "--per-item writes task items" in capsys.readouterr().err
+
+
+def test_export_names_every_missing_optional_package_at_once(
+    first_run, tmp_path, capsys, monkeypatch
+):
+    """The run's tokenizer is a tokenizer.json: its export needs safetensors and tokenizers, and
+    without both one message names both; with the byte tokenizer only safetensors."""
+    _, run, _, _ = first_run
+    for name in ("safetensors", "tokenizers"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    export = ["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]
+    capsys.readouterr()
+    assert main(export) == 2
+    err = capsys.readouterr().err
+    assert "moetrain export needs the optional packages `safetensors` and `tokenizers`" in err
+    assert "pip install safetensors tokenizers (or pip install 'moetrain[hf]')" in err
+    assert main([*export, "--tokenizer", "byte"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "needs the optional package `safetensors`, not installed: pip install safetensors " in err
+    )
+    assert not (tmp_path / "hf").exists()
