@@ -298,9 +298,15 @@ def _write_arrays(tokens_f: Any, lengths_f: Any, pending: list[np.ndarray]) -> N
 def default_workers(units: list[Unit]) -> int:
     """One per core, but no more than the units to do, nor than one per `UNIT_BYTES` of them
     (starting a worker costs about as much as tokenizing a MB or two)."""
+    return max(1, min(_worker_limits(units).values()))
+
+
+def _worker_limits(units: list[Unit]) -> dict[str, int]:
+    """`default_workers`' bounds, by what each counts (the progress line names them)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     by_bytes = sum(u.part.num_bytes for u in units) // UNIT_BYTES
-    return max(1, min(cores or 1, len(units), by_bytes))
+    mib = f"x {UNIT_BYTES >> 20} MiB of input"
+    return {"cores": cores or 1, "units to do": len(units), mib: by_bytes}
 
 
 def tokenize_units(
@@ -316,6 +322,10 @@ def tokenize_units(
     text files and skipped bad records are reported on stderr."""
     records = {u.key: r for u in units if (r := work.finished(u)) is not None}
     todo = [u for u in units if u.key not in records]
+    why = ""
+    if workers is None:  # say where the default comes from: the smallest of its limits
+        limits = ", ".join(f"{n} {what}" for what, n in _worker_limits(todo).items())
+        why = f"the default, the fewest of: {limits}; at least 1"
     workers = max(1, min(default_workers(todo) if workers is None else workers, len(todo)))
     check = _SourceCheck(units, options.text_field)
     for unit in units:
@@ -330,7 +340,7 @@ def tokenize_units(
         sum(records[u.key]["num_tokens"] for u in kept),
         sum(records[u.key].get("text_bytes", 0) for u in kept),
     )
-    bar = TokenizeProgress(progress, sum(u.part.num_bytes for u in units), done, workers)
+    bar = TokenizeProgress(progress, sum(u.part.num_bytes for u in units), done, workers, why)
     with bar:
         if workers == 1:
             for unit in todo:

@@ -27,10 +27,16 @@ from rich.progress import (
 class TokenizeProgress:
     """Used as a context manager around the tokenizing; `done` = (bytes, documents, tokens,
     text bytes) finished before this run (a resume), which are shown but not counted in the
-    rate."""
+    rate. `why_workers` says where the number of workers came from (the default's limits).
+    """
 
     def __init__(
-        self, enabled: bool, total_bytes: int, done: tuple[int, int, int, int], workers: int
+        self,
+        enabled: bool,
+        total_bytes: int,
+        done: tuple[int, int, int, int],
+        workers: int,
+        why_workers: str = "",
     ):
         console = Console(stderr=True)
         self.summary = enabled and not console.is_terminal
@@ -46,8 +52,9 @@ class TokenizeProgress:
             TimeRemainingColumn(),
         )
         self.bar = Progress(*columns, console=console, disable=not enabled or self.summary)
-        self.workers = workers
-        description = f"tokenizing ({workers} worker{'s' if workers > 1 else ''})"
+        self.workers = f"{workers} worker{'s' if workers > 1 else ''}"
+        self.workers += f" ({why_workers})" if why_workers else ""
+        description = f"tokenizing ({self.workers})"
         self.task = self.bar.add_task(
             description, total=total_bytes, completed=done[0], docs=0, tokens=0, text_mb=0.0
         )
@@ -84,7 +91,6 @@ class TokenizeProgress:
         print(
             f"tokenized {num_docs:,} documents, {num_bytes / 1e6:,.1f} MB of files "
             f"({text_mb:,.1f} MB of text), into {num_tokens:,} "
-            f"tokens in {seconds:.1f} s: {rate:.2f} MB/s with {self.workers} worker"
-            f"{'s' if self.workers > 1 else ''}{kept}",
+            f"tokens in {seconds:.1f} s: {rate:.2f} MB/s with {self.workers}{kept}",
             file=sys.stderr,
         )

@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,6 +183,18 @@ def test_progress_off_a_terminal_is_one_summary_line(tmp_path, capsys):
         f"MB of text), into {num_tokens:,} tokens"
     )
     assert line.endswith("MB/s with 1 worker")
+
+
+def test_the_summary_says_where_the_default_worker_count_comes_from(tmp_path, capsys):
+    inputs, _ = random_inputs(tmp_path, seed=5)
+    prepare(inputs, tmp_path / "tok", unit_bytes=3000, progress=True)
+    cores = len(os.sched_getaffinity(0))
+    line = capsys.readouterr().err.splitlines()[-1]
+    match = re.search(
+        r"with 1 worker \(the default, the fewest of: (\d+) cores, (\d+) units to do, 0 x 8 MiB of input; at least 1\)$",
+        line,
+    )
+    assert match and int(match[1]) == cores and int(match[2]) > 1, line
 
 
 def test_progress_counts_the_text_a_compressed_input_holds(tmp_path, capsys):
