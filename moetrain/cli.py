@@ -143,7 +143,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = trainer.train()
     except TrainingStopped as exc:  # raised on every rank: they still shut down together
-        print(f"error: {exc}", file=sys.stderr)
+        if trainer.is_main:
+            print(f"error: {exc}", file=sys.stderr)
     trainer.shutdown()
     if summary is None:
         return 1
@@ -164,6 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         data=args.data,
         tasks=args.tasks,
         sequences=args.sequences,
+        per_item=args.per_item,
     )
     print(json.dumps(result))
     return 0
@@ -343,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sequences", type=int, help="sequences to score (default: train.eval_sequences)"
     )
+    p.add_argument(
+        "--per-item",
+        metavar="FILE",
+        help="write each task item as a JSON line: its choices' log-likelihoods, the prediction, "
+        "the answer and whether it is correct",
+    )
     p.add_argument("--device")
     p.set_defaults(func=cmd_eval)
 
@@ -386,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from moetrain.error_report import report_error
+
+        report_error(f"error: {exc}")
         return 2
     except KeyboardInterrupt:  # training stops on its own at Ctrl-C; this is everything else
         print(f"moetrain {args.command}: interrupted", file=sys.stderr)

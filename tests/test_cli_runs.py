@@ -10,6 +10,7 @@ import io
 import json
 import re
 import shutil
+import sys
 
 import pytest
 import yaml
@@ -224,3 +225,63 @@ def test_built_in_task_names_stay_names(tmp_path, monkeypatch):
 def _records(run_dir, kind: str) -> dict[int, dict]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in lines if r["kind"] == kind}  # the last of a step
+
+
+def test_eval_per_item_records_agree_with_the_task_scores(first_run, tmp_path, capsys):
+    """`eval --tasks FILE --per-item OUT`: one line per item, in file order, with its answer;
+    the predictions are the argmax of the log-likelihoods (total and per character) and their
+    hit rates are the reported acc and acc_norm."""
+    _, run, _, _ = first_run
+    words = [" ab", " the book", " cd", " of the", " zq"]  # total and per character differ
+    items = [
+        {
+            "context": f"line {i:04d} of",
+            "choices": (words[i % 5 :] + words[: i % 5])[: 2 + i % 4],
+            "answer": (3 * i) % (2 + i % 4),
+        }
+        for i in range(12)
+    ]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    out = tmp_path / "items.jsonl"
+    capsys.readouterr()
+    command = ["eval", "--checkpoint", str(run), "--sequences", "2", "--tasks"]
+    assert main([*command, str(tmp_path / "qa.jsonl"), "--per-item", str(out)]) == 0
+    score = json.loads(capsys.readouterr().out)["tasks"]["qa"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["task"], r["item"], r["answer"]) for r in rows] == [
+        ("qa", i, item["answer"]) for i, item in enumerate(items)
+    ]
+    for r, item in zip(rows, items, strict=True):
+        assert len(r["loglik"]) == len(item["choices"]) and all(x < 0 for x in r["loglik"])
+        lengths = [len(c) for c in item["choices"]]
+        assert r["loglik_per_char"] == [x / n for x, n in zip(r["loglik"], lengths, strict=True)]
+        assert r["prediction"] == r["loglik"].index(max(r["loglik"]))
+        assert r["prediction_norm"] == r["loglik_per_char"].index(max(r["loglik_per_char"]))
+        assert r["correct"] == (r["prediction"] == r["answer"])
+        assert r["correct_norm"] == (r["prediction_norm"] == r["answer"])
+    assert sum(r["correct"] for r in rows) / len(rows) == score["acc"]
+    assert sum(r["correct_norm"] for r in rows) / len(rows) == score["acc_norm"]
+    assert main([*command[:5], "--per-item", str(out)]) == 2  # the run has no tasks
+    assert "--per-item writes task items" in capsys.readouterr().err
+
+
+def test_export_names_every_missing_optional_package_at_once(
+    first_run, tmp_path, capsys, monkeypatch
+):
+    """The run's tokenizer is a tokenizer.json: its export needs safetensors and tokenizers, and
+    without both one message names both; with the byte tokenizer only safetensors."""
+    _, run, _, _ = first_run
+    for name in ("safetensors", "tokenizers"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    export = ["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]
+    capsys.readouterr()
+    assert main(export) == 2
+    err = capsys.readouterr().err
+    assert "moetrain export needs the optional packages `safetensors` and `tokenizers`" in err
+    assert "pip install safetensors tokenizers (or pip install 'moetrain[hf]')" in err
+    assert main([*export, "--tokenizer", "byte"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "needs the optional package `safetensors`, not installed: pip install safetensors " in err
+    )
+    assert not (tmp_path / "hf").exists()

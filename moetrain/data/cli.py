@@ -33,9 +33,10 @@ def add_prepare_parser(sub: Any) -> None:
         "--on-bad-record",
         choices=["error", "skip"],
         default="error",
-        help="a malformed record (bad JSON, no string text field, non-UTF-8 text): stop with an "
-        "error naming its file and line (default), or skip it (counted, the first few named; "
-        "meta.json records the count)",
+        help="a malformed record (bad JSON, no string text field, non-UTF-8 text, a .gz/.zst "
+        "file that cannot be decompressed to its end): stop with an error naming its file and "
+        "line (default), or skip it (counted, the first few named; meta.json records the count; "
+        "a cut compressed file keeps its documents before the damage)",
     )
     p.add_argument(
         "--replace-bad-bytes",

@@ -6,8 +6,10 @@ lines (``.jsonl``, ``.json``, optionally ``.gz`` or ``.zst``) one per line in a 
 texts and empty text files are skipped. A bad record (not a JSON object with a string text
 field, a non-string row, non-UTF-8 text) goes to `BadRecords`: a `ValueError` naming the file and
 line (or row), or with ``on_bad_record="skip"`` counted; ``replace_bad_bytes`` reads non-UTF-8
-bytes as U+FFFD. A damaged file is always an error. A source's parts read in order yield exactly
-its documents, with the same line and row numbers in messages.
+bytes as U+FFFD. A compressed JSON-lines file that cannot be decompressed to its end (truncated,
+corrupt) is a bad record too: skipped, it keeps the documents before the damage. A damaged
+Parquet file or dataset is always an error. A source's parts read in order yield exactly its
+documents, with the same line and row numbers in messages.
 """
 
 from __future__ import annotations
@@ -172,11 +174,11 @@ def _read_json_lines(
                 line_no, line = next(lines)
             except StopIteration:
                 break
-            except damaged as exc:
-                raise ValueError(
-                    f"{where(line_no + 1)}: cannot decompress ({exc}); the file is truncated "
-                    "or corrupt"
-                ) from None
+            except damaged as exc:  # skipped: the documents before it count, the rest is lost
+                why = f"cannot decompress ({exc}); the file is truncated or corrupt"
+                bad.add(where(line_no + 1), f"{why} (the rest of the file is skipped)")
+                advance(path.stat().st_size - consumed)  # compressed files are never split
+                break
             advance(raw.tell() - consumed)
             consumed = raw.tell()
             if not line.strip():

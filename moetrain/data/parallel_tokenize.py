@@ -214,24 +214,27 @@ class WorkDir:
 
 
 class _Tally:
-    """Counts a worker's progress and hands it to `sink(bytes, documents, tokens)` in batches."""
+    """Counts a worker's progress and hands it to `sink(bytes, documents, tokens, text bytes)`
+    in batches: input bytes as the files hold them, and the documents' UTF-8 text bytes (what
+    the input holds uncompressed)."""
 
-    def __init__(self, sink: Callable[[int, int, int], None]):
+    def __init__(self, sink: Callable[[int, int, int, int], None]):
         self.sink = sink
-        self.counts = [0, 0, 0]
+        self.counts = [0, 0, 0, 0]
         self.reported_bytes = 0
 
-    def add(self, num_bytes: int = 0, num_docs: int = 0, num_tokens: int = 0) -> None:
-        self.counts = [
-            a + b for a, b in zip(self.counts, (num_bytes, num_docs, num_tokens), strict=True)
-        ]
+    def add(
+        self, num_bytes: int = 0, num_docs: int = 0, num_tokens: int = 0, text_bytes: int = 0
+    ) -> None:
+        added = (num_bytes, num_docs, num_tokens, text_bytes)
+        self.counts = [a + b for a, b in zip(self.counts, added, strict=True)]
         if self.counts[0] >= _REPORT_BYTES:
             self.flush()
 
     def flush(self) -> None:
         self.reported_bytes += self.counts[0]
         self.sink(*self.counts)
-        self.counts = [0, 0, 0]
+        self.counts = [0, 0, 0, 0]
 
     def finish(self, unit_bytes: int) -> None:
         """Report the rest of the unit: readers' byte counts are estimates for some formats."""
@@ -251,14 +254,16 @@ def write_unit(
     the count and the first few of the bad records skipped."""
     final = work.files(unit)
     parts = [f.with_name(f"{f.name}.{os.getpid()}.part") for f in final[:2]]
-    num_docs = num_tokens = written = 0
+    num_docs = num_tokens = written = text_bytes = 0
     with open(parts[0], "wb") as tokens_f, open(parts[1], "wb") as lengths_f:
         pending: list[np.ndarray] = []
         bad = BadRecords(skip=options.on_bad_record == "skip")
         for text in read_documents(unit.source, options, tally.add, unit.part, bad):
             pending.append(tokenizer.encode_array(text).astype(work.dtype))
-            tally.add(num_docs=1, num_tokens=pending[-1].size)
+            size = len(text.encode("utf-8", errors="surrogatepass"))
+            tally.add(num_docs=1, num_tokens=pending[-1].size, text_bytes=size)
             num_docs, num_tokens = num_docs + 1, num_tokens + pending[-1].size
+            text_bytes += size
             if num_tokens - written >= _FLUSH_TOKENS:
                 written = num_tokens
                 _write_arrays(tokens_f, lengths_f, pending)
@@ -274,6 +279,7 @@ def write_unit(
         "part": [unit.part.start, unit.part.stop],
         "num_documents": num_docs,
         "num_tokens": num_tokens,
+        "text_bytes": text_bytes,
         "skipped": bad.count,
         "skipped_first": bad.first,
     }
@@ -292,9 +298,15 @@ def _write_arrays(tokens_f: Any, lengths_f: Any, pending: list[np.ndarray]) -> N
 def default_workers(units: list[Unit]) -> int:
     """One per core, but no more than the units to do, nor than one per `UNIT_BYTES` of them
     (starting a worker costs about as much as tokenizing a MB or two)."""
+    return max(1, min(_worker_limits(units).values()))
+
+
+def _worker_limits(units: list[Unit]) -> dict[str, int]:
+    """`default_workers`' bounds, by what each counts (the progress line names them)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     by_bytes = sum(u.part.num_bytes for u in units) // UNIT_BYTES
-    return max(1, min(cores or 1, len(units), by_bytes))
+    mib = f"x {UNIT_BYTES >> 20} MiB of input"
+    return {"cores": cores or 1, "units to do": len(units), mib: by_bytes}
 
 
 def tokenize_units(
@@ -310,6 +322,10 @@ def tokenize_units(
     text files and skipped bad records are reported on stderr."""
     records = {u.key: r for u in units if (r := work.finished(u)) is not None}
     todo = [u for u in units if u.key not in records]
+    why = ""
+    if workers is None:  # say where the default comes from: the smallest of its limits
+        limits = ", ".join(f"{n} {what}" for what, n in _worker_limits(todo).items())
+        why = f"the default, the fewest of: {limits}; at least 1"
     workers = max(1, min(default_workers(todo) if workers is None else workers, len(todo)))
     check = _SourceCheck(units, options.text_field)
     for unit in units:
@@ -322,8 +338,9 @@ def tokenize_units(
         sum(u.part.num_bytes for u in kept),
         sum(records[u.key]["num_documents"] for u in kept),
         sum(records[u.key]["num_tokens"] for u in kept),
+        sum(records[u.key].get("text_bytes", 0) for u in kept),
     )
-    bar = TokenizeProgress(progress, sum(u.part.num_bytes for u in units), done, workers)
+    bar = TokenizeProgress(progress, sum(u.part.num_bytes for u in units), done, workers, why)
     with bar:
         if workers == 1:
             for unit in todo:
@@ -359,7 +376,7 @@ class _SourceCheck:
         self.docs: Counter[int] = Counter()
         self.skipped: Counter[int] = Counter()
         self.empty: list[Source] = []
-        self.sums = [sum(u.part.num_bytes for u in units), 0, 0]
+        self.sums = [sum(u.part.num_bytes for u in units), 0, 0, 0]
         self.text_field = text_field
 
     def add(self, unit: Unit, record: dict[str, Any]) -> dict[str, Any]:
@@ -368,6 +385,7 @@ class _SourceCheck:
         self.skipped[unit.source_index] += record.get("skipped", 0)
         self.sums[1] += record["num_documents"]
         self.sums[2] += record["num_tokens"]
+        self.sums[3] += record.get("text_bytes", 0)  # units of an older prepare lack it
         if self.remaining[unit.source_index] == 0 and self.docs[unit.source_index] == 0:
             if isinstance(unit.source, Path) and suffix_of(unit.source) == ".txt":
                 if self.skipped[unit.source_index] == 0:
@@ -379,7 +397,7 @@ class _SourceCheck:
                 )
         return record
 
-    def totals(self) -> tuple[int, int, int]:
+    def totals(self) -> tuple[int, int, int, int]:
         return tuple(self.sums)
 
 

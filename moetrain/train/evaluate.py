@@ -27,7 +27,7 @@ from moetrain.config import RunConfig
 from moetrain.data import check_same_data, open_data, source_labels
 from moetrain.data.heldout import IGNORE, WindowRows, open_eval_set
 from moetrain.data.loader import embedded_val_fraction
-from moetrain.data.tasks import TaskRows, load_tasks
+from moetrain.data.tasks import Task, TaskRows, load_tasks
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.data import all_reduce_stats
 from moetrain.parallel.mesh import ParallelDims
@@ -155,24 +155,30 @@ class Evaluator:
         sums = score_rows(self.model, rows, self.micro_batch, self.dims, self.pipeline)
         return sums.sum() / (rows.num_rows * self.seq_len)
 
-    def _accuracy(self, rows: TaskRows) -> torch.Tensor:
+    def _choice_logliks(self, rows: TaskRows) -> torch.Tensor:
+        """loglik_IC: each item's choices' log-likelihoods (float64; -inf past its last)."""
+        loglik = -score_rows(self.model, rows, self.micro_batch, self.dims, self.pipeline)
+        rows_IC = torch.as_tensor(rows.choice_rows, device=loglik.device)
+        return torch.where(rows_IC >= 0, loglik[rows_IC.clamp(min=0)], -math.inf)
+
+    @staticmethod
+    def _accuracy(rows: TaskRows, loglik_IC: torch.Tensor) -> torch.Tensor:
         """(acc, acc_norm): the right choice has the highest log-likelihood, in total and per
         character."""
-        loglik = -score_rows(self.model, rows, self.micro_batch, self.dims, self.pipeline)
-        rows_IC, chars_IC, answers_I = (
-            torch.as_tensor(x, device=loglik.device)
-            for x in (rows.choice_rows, rows.choice_chars, rows.answers)
+        chars_IC, answers_I = (
+            torch.as_tensor(x, device=loglik_IC.device) for x in (rows.choice_chars, rows.answers)
         )
-        loglik_IC = torch.where(rows_IC >= 0, loglik[rows_IC.clamp(min=0)], -math.inf)
         hits = [
             (x.argmax(1) == answers_I).double().mean() for x in (loglik_IC, loglik_IC / chars_IC)
         ]
         return torch.stack(hits)
 
-    def run(self, step: int) -> dict[str, Any]:
-        """Score everything; the eval record of `step` (the same on every rank)."""
+    def run(self, step: int, *, per_item: bool = False) -> dict[str, Any]:
+        """Score everything; the eval record of `step` (the same on every rank). `per_item`
+        adds "items": one `task_items` row per task item, in task then item order."""
         values = [self._loss(rows) for rows in (*self.val.values(), *self.eval_sets.values())]
-        values += [self._accuracy(rows) for rows in self.tasks]
+        logliks = [self._choice_logliks(rows) for rows in self.tasks]
+        values += [self._accuracy(r, x) for r, x in zip(self.tasks, logliks, strict=True)]
         host = torch.cat([v.reshape(-1) for v in values]).tolist()
         losses, host = host[: len(self.val)], host[len(self.val) :]
         record: dict[str, Any] = {"kind": "eval", "step": step}
@@ -190,7 +196,41 @@ class Evaluator:
                 r.task.name: {"acc": host[2 * i], "acc_norm": host[2 * i + 1]}
                 for i, r in enumerate(self.tasks)
             }
+        if per_item:
+            record["items"] = [
+                item
+                for rows, loglik_IC in zip(self.tasks, logliks, strict=True)
+                for item in task_items(rows.task, loglik_IC.cpu().tolist())
+            ]
         return record
+
+
+def task_items(task: Task, loglik_IC: list[list[float]]) -> list[dict[str, Any]]:
+    """One record a task item, as `moetrain eval --per-item` writes it: its choices'
+    log-likelihoods (total and per character), the choice each picks (`prediction`,
+    `prediction_norm`; the first of a tie, as `acc` counts it), the answer and whether each
+    prediction is right. The mean of `correct` is the task's acc, of `correct_norm` its acc_norm."""
+    items = []
+    for i, (choices, answer) in enumerate(zip(task.choices, task.answers, strict=True)):
+        loglik = loglik_IC[i][: len(choices)]
+        per_char = [x / len(c) for x, c in zip(loglik, choices, strict=True)]
+        predicted, predicted_norm = (
+            max(range(len(x)), key=x.__getitem__) for x in (loglik, per_char)
+        )
+        items.append(
+            {
+                "task": task.name,
+                "item": i,
+                "loglik": loglik,
+                "loglik_per_char": per_char,
+                "prediction": predicted,
+                "prediction_norm": predicted_norm,
+                "answer": answer,
+                "correct": predicted == answer,
+                "correct_norm": predicted_norm == answer,
+            }
+        )
+    return items
 
 
 def describe_data(config: RunConfig) -> str:
@@ -209,10 +249,12 @@ def evaluate_checkpoint(
     data: str | None = None,
     tasks: list[str] | None = None,
     sequences: int | None = None,
+    per_item: str | Path | None = None,
 ) -> dict[str, Any]:
     """`moetrain eval`: by default what the run's own evaluations score (its val split, eval sets
     and tasks, from the checkpoint's config); `data`: both splits of that token directory
-    instead; `tasks` replaces the config's tasks. The result names what it scored."""
+    instead; `tasks` replaces the config's tasks; `per_item`: a JSON-lines file that gets one
+    `task_items` record per task item. The result names what it scored."""
     from moetrain.checkpoint.trained_model import checkpoint_tokenizer, load_model
 
     path = manager.resolve(checkpoint)
@@ -224,6 +266,11 @@ def evaluate_checkpoint(
     if tasks is not None:
         train = dataclasses.replace(train, eval_tasks=tuple(tasks))
     config = dataclasses.replace(config, train=train)
+    if per_item is not None and not train.eval_tasks:
+        raise ValueError(
+            "--per-item writes task items, and the run has no train.eval_tasks: name tasks "
+            "with --tasks"
+        )
     tokenizer = checkpoint_tokenizer(path, config) if train.eval_tasks else None
     result: dict[str, Any] = {"checkpoint": str(path), "step": trainer_state.get("step")}
     if data is None:
@@ -241,9 +288,13 @@ def evaluate_checkpoint(
         arrays = open_eval_set(config.data, data, config.model.vocab_size, f"--data ({data})")
         evaluator = Evaluator(config, model, tokenizer, {data: arrays}, eval_sets={})
         result["data"] = f"{data} (both splits)"
-    record = evaluator.run(result["step"])
+    record = evaluator.run(result["step"], per_item=per_item is not None)
     record.pop("kind")
     record.pop("step")
+    if per_item is not None:
+        items = record.pop("items")
+        Path(per_item).write_text("".join(json.dumps(item) + "\n" for item in items))
+        result["per_item"] = f"{per_item} ({len(items)} items)"
     return {
         **result,
         "sequences": evaluator.num_sequences,

@@ -33,7 +33,8 @@ def routing_summary(
 ) -> dict[str, Any]:
     """Load statistics of one MoE layer over a log interval, as plain Python numbers, from
     `tokens_per_expert` (routes per expert). Keys:
-    - max_mean: max / mean load (1.0 is perfect balance, E means one expert takes everything);
+    - max_mean: max / mean load (1.0 is perfect balance; top-k routing's ceiling is E/K, where
+      K experts take every route: docs/metrics.md);
     - max_mean_peak: the largest max / mean load of one step on one rank in the interval
       (`StepLoadPeak`; None when not measured);
     - cv: population standard deviation / mean of the load (0.0 is perfect balance);

@@ -3,6 +3,7 @@ token directory must hold exactly the documents of the plain .jsonl equivalent."
 
 import gzip
 import json
+import re
 
 import numpy as np
 import pytest
@@ -249,3 +250,30 @@ def test_cli_prepare_directory_with_text_field(tmp_path, capsys):
     pretokenized += ["--dtype", "uint16", "--eos-id", "0", "--vocab-size", "9"]
     assert main([*pretokenized, "--workers", "2"]) == 2
     assert "--workers does not apply to --pretokenized" in capsys.readouterr().err
+
+
+def test_a_truncated_gzip_is_skipped_with_on_bad_record_skip(tmp_path, capsys):
+    """--on-bad-record skip keeps a cut .gz's documents before the damage and the other files'
+    in full, counting the cut as one bad record named by file and line; without it, the error
+    says how to skip it."""
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(jsonl_bytes(TEXTS))
+    texts = [f"document {i} " + "text " * (i % 7) for i in range(400)]
+    whole = gzip.compress(jsonl_bytes(texts))
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    inputs = [good, tmp_path / "cut.jsonl.gz"]
+    with pytest.raises(
+        ValueError, match=r"cut\.jsonl\.gz:\d+: cannot decompress .*--on-bad-record=skip"
+    ):
+        prepare(inputs, tmp_path / "err", progress=False)
+    out = tmp_path / "tok"
+    prepare(inputs, out, progress=False, on_bad_record="skip")
+    docs = all_docs(out)
+    kept = len(docs) - len(TEXTS)  # the cut file's documents up to its damage
+    assert 0 < kept < len(texts) and sorted(docs) == sorted(TEXTS + texts[:kept])
+    assert json.loads((out / "meta.json").read_text())["skipped_records"] == 1
+    assert re.search(
+        r"skipped 1 bad records.*cut\.jsonl\.gz:\d+: cannot decompress",
+        capsys.readouterr().err,
+        re.S,
+    )

@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,11 +176,46 @@ def test_progress_off_a_terminal_is_one_summary_line(tmp_path, capsys):
     prepare(inputs, tmp_path / "tok", workers=1, unit_bytes=3000, progress=True)
     num_bytes = sum(p.stat().st_size for p in inputs) / 1e6
     num_tokens = sum(len(d.encode()) + 1 for d in documents)  # each document ends with EOS
+    text_mb = sum(len(d.encode()) for d in documents) / 1e6
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(
-        f"tokenized {len(documents):,} documents, {num_bytes:,.1f} MB, into {num_tokens:,} tokens"
+        f"tokenized {len(documents):,} documents, {num_bytes:,.1f} MB of files ({text_mb:,.1f} "
+        f"MB of text), into {num_tokens:,} tokens"
     )
     assert line.endswith("MB/s with 1 worker")
+
+
+def test_the_summary_says_where_the_default_worker_count_comes_from(tmp_path, capsys):
+    inputs, _ = random_inputs(tmp_path, seed=5)
+    prepare(inputs, tmp_path / "tok", unit_bytes=3000, progress=True)
+    cores = len(os.sched_getaffinity(0))
+    line = capsys.readouterr().err.splitlines()[-1]
+    match = re.search(
+        r"with 1 worker \(the default, the fewest of: (\d+) cores, (\d+) units to do, 0 x 8 MiB of input; at least 1\)$",
+        line,
+    )
+    assert match and int(match[1]) == cores and int(match[2]) > 1, line
+
+
+def test_progress_counts_the_text_a_compressed_input_holds(tmp_path, capsys):
+    """The files' MB is what the bar's fraction and rate count; the MB of text is what they
+    hold uncompressed, also for the units a resume keeps."""
+    texts = [f"line {i} " + "the same words again " * 40 for i in range(300)]
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "plain ✓"}) + "\n")
+    inputs = [tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl"]
+    file_mb = sum(p.stat().st_size for p in inputs) / 1e6
+    text_mb = (sum(len(t) for t in texts) + len("plain ✓".encode())) / 1e6
+    assert text_mb > 10 * file_mb
+    prepare(inputs, tmp_path / "tok", workers=1, progress=True)
+    expected = f"{file_mb:,.1f} MB of files ({text_mb:,.1f} MB of text)"
+    assert expected in capsys.readouterr().err
+    (tmp_path / "d.jsonl").write_text("{oops\n")
+    with pytest.raises(ValueError, match="not valid JSON"):  # the units before it are kept
+        prepare([*inputs, tmp_path / "d.jsonl"], tmp_path / "tok2", workers=1, progress=False)
+    prepare(inputs, tmp_path / "tok2", workers=1, progress=True)
+    assert expected in capsys.readouterr().err
 
 
 def test_a_killed_prepare_resumes_bitwise(tmp_path, monkeypatch, capsys):

@@ -32,6 +32,7 @@ from moetrain.data.loader import padded_vocab_size
 from moetrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from moetrain.data.tokenizer_files import describe, tokenizer_files
 from moetrain.model.transformer import Transformer
+from moetrain.optional_packages import require
 from moetrain.tools.convert.hf import (
     export_format,
     from_hf_state_dict,
@@ -93,8 +94,12 @@ def export_checkpoint(
     expresses the model, `hf.export_format`); returns `out_dir`. `dtype` casts the weights (None:
     the stored dtype, bit-exact). `tokenizer`: a tokenizer.json (or its directory) to ship
     instead of the checkpoint's."""
-    save_file = _safetensors().save_file
     path = manager.resolve(checkpoint_dir, check_hashes=False)
+    carried = json.loads((path / manager.TRAINER_STATE).read_text()).get("tokenizer", {})
+    # the tokenizer shipped: --tokenizer's, else the run's (a tokenizer.json needs `tokenizers`)
+    hf_tokenizer = tokenizer != "byte" if tokenizer is not None else carried.get("type") == "hf"
+    require("moetrain export", ["safetensors", *(["tokenizers"] * hf_tokenizer)], "hf")
+    save_file = _safetensors().save_file
     out = _fresh_output_dir(out_dir)
     manager.verify(path)
     config = RunConfig.load_yaml(path / "config.yaml")
