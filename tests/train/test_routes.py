@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetrain.cli import main
 from moetrain.config.presets import tiny
 from moetrain.moe.replay_router import ReplayRouter
 from moetrain.moe.router import RouterConfig, TopKRouter
+from moetrain.tools.bench.harness import warmed_trainer
 from moetrain.train.routes import load_routes
 from moetrain.train.trainer import Trainer
 
@@ -88,3 +90,17 @@ def test_the_replay_routers_gate_learns_from_the_scores_at_the_replayed_experts(
     resumed = ReplayRouter(8, config, routes_NTK)
     resumed.load_state_dict(replay.state_dict())
     assert resumed.forwards == 2
+
+
+def test_bench_times_the_step_under_replayed_routes(tmp_cache, tmp_path):
+    _train(tmp_path / "a")
+    routes = str(tmp_path / "a" / "routes")
+    out = tmp_path / "r.json"
+    args = ["bench", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--optimizer", "mixed"]
+    assert main([*args, "--routing", routes, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["results"][0]["routing"] == routes
+    with warmed_trainer(tiny(), "mixed", warmup=3, routing=routes, device="cpu") as (trainer, _):
+        routers = [layer.router for layer in trainer.model.moe_layers()]
+        assert all(isinstance(r, ReplayRouter) and r.forwards == 3 for r in routers)
+    with pytest.raises(SystemExit):
+        main([*args, "--routing", str(tmp_path / "missing")])
