@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_distributed
 
 from moetrain.cli import main
 from moetrain.config.presets import tiny
@@ -104,3 +105,23 @@ def test_bench_times_the_step_under_replayed_routes(tmp_cache, tmp_path):
         assert all(isinstance(r, ReplayRouter) and r.forwards == 3 for r in routers)
     with pytest.raises(SystemExit):
         main([*args, "--routing", str(tmp_path / "missing")])
+
+
+def _record_then_replay_world2(rank, world_size, run_dir):
+    """Records at dp 2 (ep 2), then replays in a run whose routers would choose otherwise."""
+    layout = ["parallel.dp=2", "parallel.ep=2", "train.log_every=1"]
+    _train(Path(run_dir) / "a", *layout)
+    replay = f"moe.replay_routes={Path(run_dir) / 'a' / 'routes'}"
+    _train(Path(run_dir) / "b", *layout, "train.seed=1", replay)
+    return [load_routes(Path(run_dir) / run / "routes", rank)["routes"] for run in "ab"]
+
+
+@pytest.mark.distributed
+def test_each_rank_records_and_replays_its_own_routes(tmp_cache, tmp_path):
+    (ours, ours_replayed), (theirs, theirs_replayed) = run_distributed(
+        _record_then_replay_world2, 2, str(tmp_path)
+    )
+    names = sorted(p.name[:7] for p in (tmp_path / "a" / "routes").iterdir())
+    assert names == ["rank000"] * 6 + ["rank001"] * 6
+    assert not torch.equal(ours, theirs)  # each rank's own micro-batches
+    assert torch.equal(ours, ours_replayed) and torch.equal(theirs, theirs_replayed)
