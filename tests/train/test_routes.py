@@ -125,3 +125,17 @@ def test_each_rank_records_and_replays_its_own_routes(tmp_cache, tmp_path):
     assert names == ["rank000"] * 6 + ["rank001"] * 6
     assert not torch.equal(ours, theirs)  # each rank's own micro-batches
     assert torch.equal(ours, ours_replayed) and torch.equal(theirs, theirs_replayed)
+
+
+def test_a_resumed_recording_and_a_resumed_replay_go_on_where_they_stopped(tmp_cache, tmp_path):
+    losses = _train(tmp_path / "a", "train.log_every=1")
+    replay = f"moe.replay_routes={tmp_path / 'a' / 'routes'}"
+    part = ("train.log_every=1", "train.checkpoint_every=4", replay)
+    _train(tmp_path / "b", "train.steps=4", *part)
+    Trainer(
+        _cfg("moe.record_routes=true", *part), tmp_path / "b", resume=True, progress=False
+    ).train()
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["loss"] for r in lines if r["kind"] == "train"} == losses
+    recorded = load_routes(tmp_path / "a" / "routes")["routes"]
+    assert torch.equal(load_routes(tmp_path / "b" / "routes")["routes"], recorded)
