@@ -1,16 +1,19 @@
 """The route table's statistics against plain loops over the routes (moetrain.tools.bench.route_table)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from moetrain.tools.bench.route_table import (
     CAPACITY_FACTORS,
+    main,
     random_routes,
     route_load,
     uniform_routes,
 )
+from moetrain.train.routes import load_routes
 
 
 def _kept_by_loop(ids_GTK, E: int, cf: float) -> int:
@@ -69,3 +72,12 @@ def test_uniform_routing_is_balanced_and_drops_nothing_random_does_drop():
     assert uniform.mean_load == 1.0 and set(uniform.drop_rate.values()) == {0.0}
     random = route_load(random_routes(8, 2, 64, 2, 8), 8, 8)
     assert random.mean_load > 1.0 and random.drop_rate[1.0] > random.drop_rate[2.0]
+
+
+def test_the_committed_routes_file_prints_its_table(capsys):
+    path = Path(__file__).parent.parent / "benchmarks" / "data" / "demo_routes.pt"
+    recorded = load_routes(path)
+    assert recorded["routes"].dtype == torch.int16 and recorded["num_experts"] == 8
+    main([str(path), "--ep", "8"])
+    out = capsys.readouterr().out
+    assert "| recorded |" in out and "| uniform | 1.000 | 1.000 | 0.00% |" in out
