@@ -3,6 +3,7 @@ next to uniform and random routing of its shape (moetrain/tools/bench/route_tabl
 
     python benchmarks/routing_table.py RUN/routes [--ep 8] [--rank 0]
     python benchmarks/routing_table.py benchmarks/data/demo_routes.pt
+    python benchmarks/routing_table.py OUT.pt --write uniform --preset small [--forwards 16]
 """
 
 from moetrain.tools.bench.route_table import main

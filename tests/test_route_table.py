@@ -81,3 +81,20 @@ def test_the_committed_routes_file_prints_its_table(capsys):
     main([str(path), "--ep", "8"])
     out = capsys.readouterr().out
     assert "| recorded |" in out and "| uniform | 1.000 | 1.000 | 0.00% |" in out
+
+
+def test_a_written_uniform_routes_file_replays_in_bench(tmp_cache, tmp_path):
+    from moetrain.config.presets import tiny
+    from moetrain.tools.bench.harness import warmed_trainer
+
+    path = str(tmp_path / "uniform.pt")
+    main([path, "--write", "uniform", "--preset", "tiny", "--forwards", "3"])
+    with warmed_trainer(tiny(), "mixed", warmup=3, routing=path, device="cpu") as (trainer, _):
+        stats = trainer.model.moe_layers()[0].read_stats()["tokens_per_expert"]
+    config = tiny()
+    T, K, E = (
+        config.train.micro_batch_size * config.train.seq_len,
+        config.moe.top_k,
+        config.moe.num_experts,
+    )
+    assert stats.tolist() == [3 * T * K // E] * E  # three forwards, every expert alike

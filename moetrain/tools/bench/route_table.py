@@ -10,6 +10,8 @@ the busiest rank's routed rows over the mean, and the routes NoSyncDispatcher dr
 capacity factor, by its own rule (`keep_counts` on the [source, rank, local expert] counts, with
 `no_sync_capacities`). Uniform routing gives every expert T K / E routes of each micro-batch
 (token t's k-th route to expert (t K + k) mod E); random draws K distinct experts a token.
+`--write` makes a routes file of either for a preset, so that `moetrain bench --routing FILE`
+times uniform, random and recorded routing the same way (all replayed).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moetrain.config import RunConfig
+from moetrain.model.transformer import Transformer
 from moetrain.moe.capacity import no_sync_capacities
 from moetrain.parallel.ep_dispatch import keep_counts
 
@@ -90,14 +94,41 @@ def table(routes_NLTK: torch.Tensor, num_experts: int, ep: int, label: str) -> s
     return "\n".join(lines)
 
 
+def write_routes(config: RunConfig, kind: str, forwards: int, path: str) -> None:
+    """A routes file of `config`'s shape (one micro-batch a step) with `kind` (uniform or random)
+    routing: what `moetrain bench --routing FILE` replays to time every routing the same way."""
+    with torch.device("meta"):
+        num_layers = len(Transformer(config).moe_layers())
+    t, moe = config.train, config.moe
+    T, E = t.micro_batch_size * t.seq_len, moe.num_experts
+    make = uniform_routes if kind == "uniform" else random_routes
+    routes = make(forwards, num_layers, T, moe.top_k, E).to(torch.int16)
+    shape = {"accum_steps": 1, "num_experts": E, "top_k": moe.top_k, "tokens": T}
+    record = {"first_step": 1, "steps": forwards, "layers": num_layers, "rank": 0, **shape}
+    torch.save({"routes": routes, **record}, path)
+
+
 def main(argv: list[str] | None = None) -> None:
+    from moetrain.config.presets import PRESETS, get_preset
     from moetrain.train.routes import load_routes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("routes", help="a routes file or a run's routes/ directory")
     parser.add_argument("--ep", type=int, default=8)
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument(
+        "--write",
+        choices=["uniform", "random"],
+        help="write a routes file of this routing for --preset to ROUTES instead",
+    )
+    parser.add_argument("--preset", choices=list(PRESETS))
+    parser.add_argument("--forwards", type=int, default=16)
     args = parser.parse_args(argv)
+    if args.write:
+        if args.preset is None:
+            parser.error("--write needs --preset")
+        write_routes(get_preset(args.preset), args.write, args.forwards, args.routes)
+        return
     recorded = load_routes(args.routes, args.rank)
     print(table(recorded["routes"], recorded["num_experts"], args.ep, "recorded"))
 
