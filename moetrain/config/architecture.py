@@ -201,6 +201,13 @@ class MoEConfig:
     # two_chunk: each MoE block splits its micro-batch's sequences in two, so that each chunk's
     # all-to-alls run under the other chunk's compute (docs/design.md, "Overlap")
     overlap: Literal["none", "two_chunk"] = resumable("none", in_model=False)
+    # write every training forward's expert ids to RUN/routes/ at the log cadence, kept on the
+    # device in between (moetrain/train/routes.py says the format)
+    record_routes: bool = resumable(False, in_model=False)
+    # a routes directory (RUN/routes: this rank's files) or file: each training forward takes
+    # the recorded experts instead of choosing them (moe/replay_router.py); the weights are
+    # still the scores at those experts. Frozen: the run's routes come from it
+    replay_routes: str | None = frozen(None, in_model=False)
 
     def __post_init__(self) -> None:
         s = "moe"
@@ -212,6 +219,20 @@ class MoEConfig:
             fail("moe.top_k", self.top_k, f"must be <= moe.num_experts ({self.num_experts})")
         self._check_groups()
         check_choices(s, self)
+        if self.replay_routes is not None and self.routing != "learned":
+            fail(
+                "moe.replay_routes",
+                self.replay_routes,
+                f"replays recorded routes in place of moe.routing {self.routing!r}: leave "
+                "moe.routing learned",
+            )
+        if self.replay_routes is not None and self.overlap != "none":
+            fail(
+                "moe.overlap",
+                self.overlap,
+                "routes chunks of a micro-batch, and replayed routes are whole micro-batches: "
+                "use moe.overlap none with moe.replay_routes",
+            )
         if self.dispatcher == "no_sync" and self.capacity_factor is None:
             fail(
                 "moe.dispatcher",

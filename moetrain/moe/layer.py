@@ -69,6 +69,9 @@ class MoELayer(nn.Module):
         # lb_scope "micro_batch_dp": sums route counts over the data-parallel ranks (installed by
         # moetrain.parallel; None in one process, where this rank's micro-batch is all of it)
         self.count_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # moe.record_routes: takes each training forward's expert ids (ids_TK), recomputes
+        # excepted (installed by moetrain.train.routes; None: not recording)
+        self.route_recorder: Callable[[torch.Tensor], None] | None = None
         # Statistics since the last read (log cadence; losses: lb, z, entropy, count) and since
         # the last optimizer step.
         counts_E = torch.zeros(config.num_experts, dtype=torch.int64)
@@ -104,6 +107,8 @@ class MoELayer(nn.Module):
         whole = routing if whole is None else whole
         if not is_recomputing():
             self._record(whole)
+            if self.route_recorder is not None:
+                self.route_recorder(whole.expert_ids_TK)
         lb_loss = whole.lb_loss
         if self.config.lb_scope == "micro_batch_dp" and self.count_reducer is not None:
             dp_counts_E = self.count_reducer(whole.tokens_per_expert_E)

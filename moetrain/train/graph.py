@@ -61,6 +61,8 @@ class StepGraph:
                 return reason
         if config.moe.routing != "learned":
             return "random routing reseeds its generator on the host at every draw"
+        if config.moe.replay_routes is not None:
+            return "replayed routing picks each forward's recorded routes on the host"
         reason = cuda_graph_blocker(config)  # the precision's (fp32 expert GEMMs)
         if reason is not None:
             return reason

@@ -1,8 +1,9 @@
 """The model a run trains, built as the recipe says (docs/design.md): the precision plan resolved
 once (parallel/precision.py: a choice this machine cannot run fails here, naming the field), the
-model on the meta device, parallelized with that plan (parallel/parallelize.py), materialized and
-initialized (`init_weights`), cast to the plan's parameter dtype. FSDP is the exception: it
-shards weights already materialized.
+model on the meta device (its routers replaying `moe.replay_routes` where set: train/routes.py),
+parallelized with that plan (parallel/parallelize.py), materialized and initialized
+(`init_weights`), cast to the plan's parameter dtype. FSDP is the exception: it shards weights
+already materialized.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelDims
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.precision import resolve_precision
+from moetrain.train.routes import install_replay
 
 
 def build_model(
@@ -29,6 +31,8 @@ def build_model(
     param_dtype = precision.param_dtype
     with torch.device("meta"):
         model = Transformer(config)
+    if config.moe.replay_routes is not None:  # the routers of moe.replay_routes
+        install_replay(model, config, dims.rank, dims.pp, dims.device)
     fsdp = config.parallel.data_parallel == "fsdp"
     if fsdp:  # the baseline shards materialized, initialized weights (see parallel/data.py)
         _materialize(model, config, dims.device, param_dtype)

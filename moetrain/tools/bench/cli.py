@@ -23,7 +23,13 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--preset", choices=list(PRESETS), default="small")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
-    p.add_argument("--routing", choices=["learned", "random"], default="learned")
+    p.add_argument(
+        "--routing",
+        type=_routing,
+        default="learned",
+        help="learned, random, or a routes file or directory to replay (moe.replay_routes; "
+        "recorded at the preset's shape with moe.record_routes)",
+    )
     p.add_argument(
         "--optimizer",
         choices=["mixed", "bf16-adamw", "both"],
@@ -86,6 +92,12 @@ def add_bench_parser(sub) -> None:
     )
     g.add_argument("--out", help="write calibration, check and projection files here")
     p.set_defaults(func=run_bench)
+
+
+def _routing(value: str) -> str:
+    if value in ("learned", "random") or os.path.exists(value):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not learned, random or a routes file")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -117,14 +117,17 @@ def bench_config(
     config: RunConfig, routing: str, optimizer: str, micro_batches: int = 1
 ) -> RunConfig:
     """The benchmark variant of a run config: random token ids, `micro_batches` micro-batches
-    per step (1, the peers' comparison, unless a gradient accumulation is what is measured)."""
+    per step (1, the peers' comparison, unless a gradient accumulation is what is measured),
+    `routing` learned, random or a routes file to replay."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
     t = config.train
     batch = micro_batches * t.micro_batch_size * t.seq_len if micro_batches > 1 else None
+    replay = routing not in ("learned", "random")  # a routes file (moe.replay_routes)
     overrides = [
         "data.random_tokens=true",
-        f"moe.routing={routing}",
+        "moe.routing=learned" if replay else f"moe.routing={routing}",
+        *([f"moe.replay_routes={routing}"] if replay else []),
         "train.eval_every=0",
         f"train.global_batch_tokens={'null' if batch is None else batch}",
         "train.log_every=1000000",
