@@ -108,6 +108,28 @@ class RouteRecorder:
         return path
 
 
+class NoRecording:
+    """moe.record_routes off: nothing to copy or write."""
+
+    def end_of_step(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def route_recorder(
+    model: Transformer, config: RunConfig, run_dir: Path, dims, accum_steps: int, start: int
+) -> RouteRecorder | NoRecording:
+    """The recorder `moe.record_routes` asks for on this rank (`dims`: its ParallelDims), or one
+    that does nothing."""
+    if not config.moe.record_routes:
+        return NoRecording()
+    return RouteRecorder(
+        model, config, run_dir, accum_steps=accum_steps, rank=dims.rank, pp=dims.pp, start=start
+    )
+
+
 def _first_step(path: Path) -> int:
     return int(path.stem.split("-steps")[1].split("-")[0])
 

@@ -36,7 +36,7 @@ from moetrain.train.loaders import build_loaders
 from moetrain.train.metrics import open_metrics
 from moetrain.train.model_build import build_model
 from moetrain.train.optimizer_build import build_optimizer
-from moetrain.train.routes import RouteRecorder
+from moetrain.train.routes import route_recorder
 from moetrain.train.run_dir import RunDir
 from moetrain.train.stopping import StopRequests, TrainingStopped
 from moetrain.train.train_record import TrainRecords
@@ -123,19 +123,8 @@ class Trainer:
         self.records = TrainRecords(
             config, model, self.pipeline, self.dims, self.train_loader, self.metrics.note
         )
-        self.routes = (  # moe.record_routes: each step's expert ids, to RUN/routes/ at _log
-            RouteRecorder(
-                model,
-                config,
-                self.run_dir.path,
-                accum_steps=self.accum_steps,
-                rank=self.dims.rank,
-                pp=self.dims.pp,
-                start=self.step,
-            )
-            if config.moe.record_routes
-            else None
-        )
+        path = self.run_dir.path  # moe.record_routes: expert ids to RUN/routes/ (train/routes.py)
+        self.routes = route_recorder(model, config, path, self.dims, self.accum_steps, self.step)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
@@ -199,8 +188,7 @@ class Trainer:
             loss = self.step_graph.run(train_iter, lr)
         else:
             loss = self._device_step(train_iter, lr)
-        if self.routes is not None:  # outside the graph: a copy into the ring
-            self.routes.end_of_step()
+        self.routes.end_of_step()  # outside the graph: a copy into the recording's ring
         self.step += 1
         self.records.throughput.add_tokens(self.tokens_per_step)
         return loss
@@ -251,8 +239,7 @@ class Trainer:
         sums = {**self._sums, **self.bad_steps.sums}
         host, record = self.records.record(self.step, sums, self.bad_steps)
         self.metrics.write(record)
-        if self.routes is not None:
-            self.routes.flush()
+        self.routes.flush()
         self.bad_steps.check(host, lambda: self.checkpoints.save(self.step))
         return record["loss"]
 
