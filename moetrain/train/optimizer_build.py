@@ -68,6 +68,13 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
             return sharded_grad_norm(pairs, ep_group=dims.ep_group)
         return global_grad_norm(pairs, ep_group=dims.ep_group, pp_group=dims.pp_group)
 
+    kernel = resolve_adamw_kernel(t.adamw_kernel, dims.device)
+    return _replicated_adamw(groups, config, dims, norm_fn, grad_sync, kernel)
+
+
+def _replicated_adamw(groups, config: RunConfig, dims: ParallelDims, norm_fn, grad_sync, kernel):
+    """AdamW over `groups` with the run's betas, eps and master weights, its state allocated."""
+    t = config.train
     optimizer = AdamW(
         groups,
         betas=(t.beta1, t.beta2),
@@ -76,7 +83,7 @@ def build_optimizer(model: Transformer, config: RunConfig, dims: ParallelDims):
         fused=dims.device.type == "cuda",
         norm_fn=norm_fn,
         grad_sync=grad_sync,
-        kernel=resolve_adamw_kernel(t.adamw_kernel, dims.device),
+        kernel=kernel,
     )
     optimizer.init_state()
     return optimizer
@@ -122,17 +129,7 @@ def build_muon(
     def norm_fn() -> torch.Tensor:
         return global_grad_norm(pairs, ep_group=dims.ep_group, pp_group=dims.pp_group)
 
-    adamw = AdamW(
-        adamw_groups,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-        master_weights=config.precision.master_weights,
-        fused=dims.device.type == "cuda",
-        norm_fn=norm_fn,
-        grad_sync=grad_sync,
-        kernel=adamw_kernel,
-    )
-    adamw.init_state()
+    adamw = _replicated_adamw(adamw_groups, config, dims, norm_fn, grad_sync, adamw_kernel)
     return Muon(muon_groups, adamw, settings, master_weights=config.precision.master_weights)
 
 
